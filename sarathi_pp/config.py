@@ -1,0 +1,257 @@
+"""Typed configuration, one frozen dataclass per concern; YAML only at the edge.
+
+The YAML is nested by section (``scheduler: {policy: sarathi, chunk_size: 256}``). The flat
+keywords of ``LLM(...)`` map onto the sections through ``FLAT_KEYS`` (the README has the
+table). Unknown keys are rejected with the list of allowed ones; every value is checked in
+``__post_init__`` and a bad one raises ``ValueError`` naming it. Nothing is written to a
+config after construction: values derived from the checkpoint (``max_model_len``) or the
+memory (the number of KV blocks) live in the engine's runtime state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+GiB = 1 << 30
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_opt_int(name: str, value: Any, minimum: int) -> None:
+    if value is not None:
+        _check_int(name, value, minimum)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = "builtin:tiny-llama"
+    """A local Hugging Face model folder (config.json + safetensors), or ``builtin:NAME``
+    for a model the project builds itself (``builtin:tiny-llama``, the embedded default)."""
+    dtype: str = "auto"
+    """``float32``, ``bfloat16``, ``float16``; ``auto`` = bfloat16 on CUDA, float32 on CPU."""
+    max_model_len: int | None = None
+    """Prompt + output tokens of one sequence; ``None`` = the checkpoint's limit."""
+    tokenizer: str | None = None
+    """Tokenizer folder; ``None`` = the model folder (token-id prompts need none)."""
+    device: str = "auto"
+    """``cpu``, ``cuda`` or ``auto`` (CUDA when available)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"model must be a non-empty path, got {self.path!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        _check_opt_int("max_model_len", self.max_model_len, 1)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory: int | None = None
+    """Bytes of KV cache per stage; ``None`` = sized from the memory budget (README)."""
+    num_kv_blocks: int | None = None
+    """Fixes the number of KV blocks instead (wins over ``kv_cache_memory``)."""
+    cpu_memory_budget: int = 4 * GiB
+    """On CPU, the memory M_G one stage may use for parameters + KV cache."""
+    gpu_memory_utilization: float = 0.9
+    """On CUDA, the fraction of device memory one stage may use (M_G), as in vLLM."""
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1)
+        _check_opt_int("kv_cache_memory", self.kv_cache_memory, 1)
+        _check_opt_int("num_kv_blocks", self.num_kv_blocks, 1)
+        _check_int("cpu_memory_budget", self.cpu_memory_budget, 1)
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = "sarathi"
+    """``sarathi``, ``vllm``, ``orca`` or ``simple_chunking`` (see the README)."""
+    chunk_size: int = 256
+    """Token budget of one micro-batch: prefill + decode rows (sarathi, simple_chunking)."""
+    tile_align: bool = True
+    """Trim the prefill chunk so the micro-batch's rows are a multiple of ``tile_size``."""
+    tile_size: int = 128
+    """Matmul tile in rows."""
+    max_num_seqs: int = 256
+    """Most sequences running (holding KV blocks) at once."""
+    max_num_batched_tokens: int | None = None
+    """Token cap of one prefill micro-batch for vllm/orca; ``None`` = ``max_model_len``."""
+
+    def __post_init__(self) -> None:
+        from sarathi_pp.scheduler.registry import scheduler_names
+
+        if self.policy not in scheduler_names():
+            raise ValueError(
+                f"unknown scheduler {self.policy!r}; valid: {', '.join(scheduler_names())}"
+            )
+        _check_int("chunk_size", self.chunk_size, 1)
+        _check_int("tile_size", self.tile_size, 1)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_opt_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if not isinstance(self.tile_align, bool):
+            raise ValueError(f"tile_align must be true or false, got {self.tile_align!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    pipeline_parallel_size: int = 1
+    """Number of pipeline stages."""
+    num_microbatches_in_flight: int | None = None
+    """Plans outstanding at once; ``None`` = ``pipeline_parallel_size``."""
+
+    def __post_init__(self) -> None:
+        _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        _check_opt_int("num_microbatches_in_flight", self.num_microbatches_in_flight, 1)
+
+    @property
+    def microbatches_in_flight(self) -> int:
+        return self.num_microbatches_in_flight or self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run_dir: str | None = None
+    """Where to write the run's records (config.yaml, requests.csv, ...); ``None`` = nowhere."""
+    overwrite: bool = False
+    """Allow writing into an existing non-empty run dir."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **flat_or_dotted: Any) -> EngineConfig:
+        """A new config with keyword overrides (flat ``LLM`` names or ``section.key``)."""
+        return _apply(self.to_dict(), flat_or_dotted)
+
+
+SECTIONS: dict[str, type] = {f.name: f.type for f in fields(EngineConfig)}  # type: ignore[misc]
+_SECTION_CLASSES = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "run": RunConfig,
+}
+
+# Flat LLM(...) keyword -> (section, field). vLLM's names where vLLM has the concept.
+FLAT_KEYS: dict[str, tuple[str, str]] = {
+    "model": ("model", "path"),
+    "dtype": ("model", "dtype"),
+    "max_model_len": ("model", "max_model_len"),
+    "tokenizer": ("model", "tokenizer"),
+    "device": ("model", "device"),
+    "block_size": ("cache", "block_size"),
+    "kv_cache_memory": ("cache", "kv_cache_memory"),
+    "num_kv_blocks": ("cache", "num_kv_blocks"),
+    "cpu_memory_budget": ("cache", "cpu_memory_budget"),
+    "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
+    "scheduler": ("scheduler", "policy"),
+    "chunk_size": ("scheduler", "chunk_size"),
+    "tile_align": ("scheduler", "tile_align"),
+    "tile_size": ("scheduler", "tile_size"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
+    "num_microbatches_in_flight": ("parallel", "num_microbatches_in_flight"),
+    "run_dir": ("run", "run_dir"),
+    "overwrite": ("run", "overwrite"),
+}
+
+
+def _allowed(section: str) -> list[str]:
+    return [f.name for f in fields(_SECTION_CLASSES[section])]
+
+
+def _build(tree: dict[str, Any]) -> EngineConfig:
+    if not isinstance(tree, dict):
+        raise ValueError(f"config must be a mapping of sections, got {type(tree).__name__}")
+    sections = {}
+    for name, body in tree.items():
+        if name not in _SECTION_CLASSES:
+            raise ValueError(
+                f"unknown config section {name!r}; allowed: {', '.join(_SECTION_CLASSES)}"
+            )
+        body = body or {}
+        if not isinstance(body, dict):
+            raise ValueError(f"config section {name!r} must be a mapping, got {body!r}")
+        for key in body:
+            if key not in _allowed(name):
+                raise ValueError(
+                    f"unknown config key {name}.{key}; allowed in {name!r}: "
+                    f"{', '.join(_allowed(name))}"
+                )
+        sections[name] = _SECTION_CLASSES[name](**body)
+    return EngineConfig(**sections)
+
+
+def _apply(tree: dict[str, dict[str, Any]], overrides: dict[str, Any]) -> EngineConfig:
+    tree = {k: dict(v) for k, v in tree.items()}
+    for key, value in overrides.items():
+        if "." in key:
+            section, _, name = key.partition(".")
+            if section not in _SECTION_CLASSES or name not in _allowed(section):
+                raise ValueError(
+                    f"unknown config key {key!r}; allowed: "
+                    + ", ".join(f"{s}.{k}" for s in _SECTION_CLASSES for k in _allowed(s))
+                )
+        elif key in FLAT_KEYS:
+            section, name = FLAT_KEYS[key]
+        else:
+            raise ValueError(
+                f"unknown keyword {key!r}; allowed: {', '.join(FLAT_KEYS)} or 'section.key'"
+            )
+        tree.setdefault(section, {})[name] = value
+    return _build(tree)
+
+
+def make_config(**overrides: Any) -> EngineConfig:
+    """``EngineConfig`` from flat ``LLM(...)`` keywords (or ``section.key`` names)."""
+    return _apply({}, overrides)
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> EngineConfig:
+    """Read a YAML config; keyword overrides (flat or ``section.key``) win."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"config file {str(p)!r} does not exist")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+        if not isinstance(tree, dict):
+            raise ValueError(f"config file {str(p)!r} must hold a mapping of sections")
+        _build(tree)  # reject unknown keys of the file itself, naming them
+    return _apply(tree, overrides)
+
+
+def parse_set_value(text: str) -> Any:
+    """Parse the value of ``--set section.key=value`` as YAML (ints, bools, null, strings)."""
+    return yaml.safe_load(text) if text != "" else ""

@@ -1,0 +1,259 @@
+"""``LLMEngine``: the online loop in vLLM's shape (``add_request`` / ``step`` / ``abort``).
+
+One ``step()`` issues every micro-batch the scheduler can issue (up to the in-flight limit:
+the number of pipeline stages by default), waits for the oldest in flight, applies its
+sampled tokens, checks the stop conditions and returns the outputs it updated.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from sarathi_pp.config import EngineConfig
+from sarathi_pp.executor import Executor, StepResult, create_executor
+from sarathi_pp.memory import num_kv_blocks
+from sarathi_pp.model_path import resolve_model_path
+from sarathi_pp.model_spec import ModelSpec, load_model_spec
+from sarathi_pp.outputs import CompletionOutput, RequestOutput
+from sarathi_pp.plan import MicroBatchPlan
+from sarathi_pp.sampling_params import SamplingParams
+from sarathi_pp.scheduler import create_scheduler
+from sarathi_pp.sequence import Sequence, SequenceStatus
+from sarathi_pp.tokenizer import Detokenizer, has_tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _TextState:
+    stream: Any
+    text: str = ""
+
+
+def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
+    limit = spec.max_position_embeddings
+    max_len = config.model.max_model_len or limit
+    if max_len > limit:
+        raise ValueError(
+            f"max_model_len={max_len} exceeds the checkpoint's limit "
+            f"(max_position_embeddings={limit})"
+        )
+    if spec.sliding_window is not None and spec.sliding_window < max_len:
+        raise ValueError(
+            f"the checkpoint uses sliding-window attention (window {spec.sliding_window}) "
+            f"shorter than max_model_len={max_len}; sliding windows are not supported: "
+            f"set max_model_len <= {spec.sliding_window}"
+        )
+    return max_len
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor: str = "uniproc") -> None:
+        self.config = config
+        self.model_dir = resolve_model_path(config.model.path)
+        self.spec = load_model_spec(self.model_dir)
+        self.max_model_len = resolve_max_model_len(config, self.spec)
+        tok_dir = config.model.tokenizer or self.model_dir
+        if config.model.tokenizer is not None and not has_tokenizer(tok_dir):
+            raise FileNotFoundError(f"tokenizer folder {tok_dir!r} has no tokenizer files")
+        self.tokenizer = load_tokenizer(tok_dir) if has_tokenizer(tok_dir) else None
+        self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.executor: Executor = create_executor(
+            executor, config, self.spec, self.model_dir, self.max_model_len
+        )
+        self.stage_memory = self.executor.load_model()
+        self.num_kv_blocks = num_kv_blocks(
+            config.cache, self.stage_memory, self.max_model_len, config.scheduler.max_num_seqs
+        )
+        self.executor.init_kv_cache(self.num_kv_blocks, config.cache.block_size)
+        self.scheduler = create_scheduler(
+            config.scheduler, self.num_kv_blocks, config.cache.block_size, self.max_model_len
+        )
+        self.max_inflight = config.parallel.microbatches_in_flight
+        self._inflight: deque[MicroBatchPlan] = deque()
+        self._seq_ids = itertools.count()
+        self._requests: dict[str, Sequence] = {}
+        self._text: dict[int, _TextState] = {}
+        self.eos_token_ids = self._eos_ids()
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.spec.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    @staticmethod
+    def now() -> float:
+        return time.monotonic()
+
+    # --- requests ------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(
+                f"model folder {self.model_dir!r} has no tokenizer: pass prompt_token_ids instead"
+            )
+        return self.tokenizer.encode(prompt)
+
+    def validate_prompt(self, token_ids: list[int], where: str = "prompt") -> None:
+        """``ValueError`` naming ``where`` unless the prompt can run at all."""
+        if len(token_ids) == 0:
+            raise ValueError(f"{where} is empty")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(
+                f"{where} has token ids outside [0, {self.spec.vocab_size}): {bad[:5]}"
+            )
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"{where} has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}"
+            )
+        capacity = self.num_kv_blocks * self.config.cache.block_size
+        if len(token_ids) + 1 > capacity:
+            raise ValueError(
+                f"{where} has {len(token_ids)} tokens; the whole KV cache holds {capacity}"
+            )
+        cap = self.config.scheduler.max_num_batched_tokens
+        if cap is not None and self.config.scheduler.policy in ("vllm", "orca") and len(token_ids) > cap:
+            raise ValueError(
+                f"{where} has {len(token_ids)} tokens, more than max_num_batched_tokens={cap} "
+                f"(scheduler {self.config.scheduler.policy!r} does not chunk prompts)"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise TypeError(f"request {request_id!r}: prompt must be a string, got {prompt!r}")
+            prompt_token_ids = self.tokenize(prompt) if prompt else []
+        self.validate_prompt(list(prompt_token_ids), f"request {request_id!r}")
+        seq = Sequence(
+            next(self._seq_ids),
+            request_id,
+            list(prompt_token_ids),
+            params,
+            self.now() if arrival_time is None else arrival_time,
+            prompt=prompt,
+        )
+        self._requests[request_id] = seq
+        stream = self.detokenizer.new_stream() if self.detokenizer else None
+        self._text[seq.seq_id] = _TextState(stream)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        seq = self._requests.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED, self.now())
+            self._text.pop(seq.seq_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._inflight)
+
+    # --- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        while len(self._inflight) < self.max_inflight:
+            plan = self.scheduler.schedule(self.now())
+            if plan is None:
+                break
+            self.executor.submit(plan)
+            self._inflight.append(plan)
+        if not self._inflight:
+            return []
+        plan, result = self.executor.wait_oldest()
+        expected = self._inflight.popleft()
+        assert plan.microbatch_id == expected.microbatch_id, (plan, expected)
+        return self._apply(plan, result)
+
+    def _apply(self, plan: MicroBatchPlan, result: StepResult) -> list[RequestOutput]:
+        now = self.now()
+        updated = self.scheduler.on_step_done(plan, result.sampled, now)
+        outputs = []
+        for seq_id, message in result.errors.items():
+            seq = self.scheduler.seqs.get(seq_id)
+            if seq is not None and not seq.is_finished:
+                seq.error = message
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, now)
+                outputs.append(self._output(seq))
+        for seq in updated:
+            try:
+                self._check_stop(seq, now)
+            except Exception as e:  # noqa: BLE001 - one request's failure stays its own
+                logger.exception("request %s failed", seq.request_id)
+                seq.error = f"{type(e).__name__}: {e}"
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, now)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, now: float) -> None:
+        token = seq.output_token_ids[-1]
+        p = seq.params
+        state = self._text[seq.seq_id]
+        if self.detokenizer is not None:
+            state.text += self._new_text(seq, state)
+        if not p.ignore_eos and token in self.eos_token_ids:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, now, token)
+        elif token in p.stop_token_ids:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, now, token)
+        elif p.stop and self._hit_stop_string(seq, state):
+            pass
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH, now)
+
+    def _new_text(self, seq: Sequence, state: _TextState) -> str:
+        if state.stream is not None:
+            return self.detokenizer.step(state.stream, seq.output_token_ids)
+        full = self.detokenizer.decode(seq.output_token_ids)
+        return full[len(state.text) :]
+
+    def _hit_stop_string(self, seq: Sequence, state: _TextState) -> bool:
+        # Only the tail can hold a new match: the text before it was checked already.
+        longest = max(len(s) for s in seq.params.stop)
+        tail_from = max(0, len(state.text) - longest - 16)
+        for s in seq.params.stop:
+            i = state.text.find(s, tail_from)
+            if i >= 0:
+                state.text = state.text[:i]  # as vLLM: the stop string is not in the output
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, self.now(), s)
+                return True
+        return False
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        state = self._text.get(seq.seq_id)
+        text = state.text if state is not None else ""
+        if seq.is_finished:
+            self._text.pop(seq.seq_id, None)
+            self._requests.pop(seq.request_id, None)
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.status.finish_reason,
+            stop_reason=seq.stop_reason,
+            error=seq.error,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            outputs=[completion],
+            finished=seq.is_finished,
+            metrics=seq.metrics,
+            error=seq.error,
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,51 @@
+"""Executors run micro-batch plans on the stages; the engine reaches them by name through
+this registry, with lazy imports, so the core never imports torch.distributed or Ray.
+
+Contract (``Executor``): ``load_model()`` -> per-stage memory figures; ``init_kv_cache``;
+``submit(plan)`` issues a plan (it may run asynchronously); ``wait_oldest()`` returns the
+oldest outstanding plan with its ``StepResult``; plans complete in issue order.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from sarathi_pp.config import EngineConfig
+    from sarathi_pp.memory import StageMemory
+    from sarathi_pp.model_spec import ModelSpec
+    from sarathi_pp.plan import MicroBatchPlan
+
+
+@dataclass
+class StepResult:
+    sampled: dict[int, int] = field(default_factory=dict)  # seq_id -> token id
+    errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why it failed
+
+
+class Executor(Protocol):
+    def load_model(self) -> list[StageMemory]: ...
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
+    def submit(self, plan: MicroBatchPlan) -> None: ...
+    def wait_oldest(self) -> tuple[MicroBatchPlan, StepResult]: ...
+    def shutdown(self) -> None: ...
+
+
+_EXECUTORS = {
+    "uniproc": "sarathi_pp.stages.executor:UniprocExecutor",
+}
+
+
+def executor_names() -> list[str]:
+    return list(_EXECUTORS)
+
+
+def create_executor(
+    name: str, config: EngineConfig, spec: ModelSpec, model_dir: str, max_model_len: int
+) -> Executor:
+    if name not in _EXECUTORS:
+        raise ValueError(f"unknown executor {name!r}; valid: {', '.join(_EXECUTORS)}")
+    module, _, cls = _EXECUTORS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)(config, spec, model_dir, max_model_len)

@@ -1,0 +1,121 @@
+"""``LLM``: the offline API in vLLM's shape: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Union
+
+from sarathi_pp.config import EngineConfig, load_config, make_config
+from sarathi_pp.engine import LLMEngine
+from sarathi_pp.outputs import RequestOutput
+from sarathi_pp.sampling_params import SamplingParams
+
+# A prompt: text, {"prompt_token_ids": [...]} (vLLM's TokensPrompt) or a list of token ids.
+Prompt = Union[str, dict, list]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        config = kwargs.pop("config", None)
+        if config is None:
+            overrides = dict(kwargs)
+            if model is not None:
+                overrides["model"] = model
+            config = make_config(**overrides)
+        elif model is not None or kwargs:
+            config = config.replace(**({"model": model} if model else {}), **kwargs)
+        self.config: EngineConfig = config
+        self.engine = LLMEngine(config)
+        self._request_counter = 0
+
+    @classmethod
+    def from_config(cls, path: str | Path, **overrides: Any) -> LLM:
+        """From a YAML config; keyword overrides (flat names or ``section.key``) win."""
+        return cls(config=load_config(path, **overrides))
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        All prompts and parameters are checked before any work runs: a bad one raises
+        ``ValueError`` naming its index. A request that fails while running finishes with
+        ``finish_reason == "error"`` in its own output; the others complete.
+        """
+        items = _as_prompt_list(prompts)
+        params = self._params_per_prompt(sampling_params, len(items))
+        requests = [self._prepare(i, p) for i, p in enumerate(items)]
+        ids = []
+        for (text, token_ids), sp in zip(requests, params):
+            request_id = str(self._request_counter)
+            self._request_counter += 1
+            self.engine.add_request(request_id, text, sp, prompt_token_ids=token_ids)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def _params_per_prompt(self, sp, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise ValueError(f"got {len(sp)} sampling params for {n} prompts")
+        for i, p in enumerate(sp):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be SamplingParams, got {type(p).__name__}")
+        return sp
+
+    def _prepare(self, index: int, prompt: Prompt) -> tuple[str | None, list[int]]:
+        where = f"prompt {index}"
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"{where} is empty")
+            text, token_ids = prompt, self.engine.tokenize(prompt)
+        elif isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            elif isinstance(prompt.get("prompt"), str):
+                return self._prepare(index, prompt["prompt"])
+            else:
+                raise ValueError(f"{where}: a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        elif isinstance(prompt, (list, tuple)):
+            text, token_ids = None, list(prompt)
+        else:
+            raise TypeError(f"{where} must be a string, a token id list or a dict, got {type(prompt).__name__}")
+        self.engine.validate_prompt(token_ids, where)
+        return text, token_ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2, unit="req")
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        done[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+        return [done[i] for i in ids]
+
+
+def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("no prompts given")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts

@@ -1,0 +1,156 @@
+"""What the runtime needs to know of a Hugging Face checkpoint, read from its config.json.
+
+Pure Python (no torch): the scheduler, the planner and the KV sizing use it without a
+device. Covers the Llama family: Llama (incl. Llama 3 rope scaling), Mistral and Qwen2.
+Both the older ``rope_theta``/``rope_scaling`` keys and transformers 5's
+``rope_parameters`` are read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_type: str = "default"
+    rope_params: dict[str, Any] = field(default_factory=dict)
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+
+    # --- sizes (bytes are for a given dtype) ----------------------------------------------
+    def kv_bytes_per_token(self, num_layers: int, dtype: str) -> int:
+        """m_kv: bytes of one token's K and V in ``num_layers`` layers."""
+        return 2 * num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]  # 2: K, V
+
+    def layer_params(self) -> int:
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        q = self.num_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        mlp = 3 * h * self.intermediate_size  # gate, up, down
+        return attn + mlp + 2 * h  # + two RMSNorm weights
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def num_params(self) -> int:
+        lm_head = 0 if self.tie_word_embeddings else self.embedding_params()
+        return (
+            self.num_layers * self.layer_params()
+            + self.embedding_params()
+            + lm_head
+            + self.hidden_size
+        )
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, str, dict[str, Any]]:
+    params = cfg.get("rope_parameters")
+    if params is None:
+        params = dict(cfg.get("rope_scaling") or {})
+        if "rope_theta" in cfg:
+            params.setdefault("rope_theta", cfg["rope_theta"])
+    params = dict(params)
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "linear" and "factor" not in params:
+        raise ValueError("rope type 'linear' needs a 'factor'")
+    if rope_type == "llama3":
+        needed = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [k for k in needed if k not in params]
+        if missing:
+            raise ValueError(f"rope type 'llama3' lacks {', '.join(missing)}")
+    return theta, rope_type, params
+
+
+def spec_from_dict(cfg: dict[str, Any], source: str = "config.json") -> ModelSpec:
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch is None:
+        by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        arch = by_type.get(cfg.get("model_type", ""))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if key not in cfg:
+            raise ValueError(f"{source}: missing {key!r}")
+    heads = int(cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    theta, rope_type, rope_params = _rope(cfg)
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    window = cfg.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        window = None
+    if arch == "LlamaForCausalLM":
+        bias = bool(cfg.get("attention_bias", False))
+    else:
+        bias = arch == "Qwen2ForCausalLM"
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{source}: mlp_bias=true is not supported")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+    return ModelSpec(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_type=rope_type,
+        rope_params=rope_params,
+        attention_bias=bias,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        sliding_window=None if window is None else int(window),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+    )
+
+
+def load_model_spec(model_dir: str | Path) -> ModelSpec:
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"model directory {str(d)!r} does not exist")
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"model directory {str(d)!r} has no config.json")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: not valid JSON: {e}") from e
+    return spec_from_dict(cfg, source=str(cfg_path))

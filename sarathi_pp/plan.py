@@ -1,0 +1,90 @@
+"""The scheduler's output: one micro-batch plan, a small immutable value (no tensors).
+
+A plan says which token range of which sequence runs in the next micro-batch. Every
+pipeline stage receives the same plan and turns it into tensors on its own; the rows of
+the flat batch follow the order of ``chunks``: prefill chunks first, then decodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sarathi_pp.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Tokens ``[start, start + len(token_ids))`` of sequence ``seq_id``."""
+
+    seq_id: int
+    start: int
+    token_ids: tuple[int, ...]
+    is_prefill: bool
+    block_table: tuple[int, ...]  # the sequence's blocks covering at least [0, end)
+    # Set on the chunk that reaches the end of the known tokens: the last stage samples
+    # one token from its last row. ``num_output_tokens`` keys per-request seeded sampling.
+    sampling_params: SamplingParams | None = None
+    num_output_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+    @property
+    def do_sample(self) -> bool:
+        return self.sampling_params is not None
+
+    def __repr__(self) -> str:
+        kind = "P" if self.is_prefill else "D"
+        s = "*" if self.do_sample else ""
+        return f"{kind}{self.seq_id}[{self.start}:{self.end}]{s}"
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatchPlan:
+    microbatch_id: int
+    chunks: tuple[ScheduledChunk, ...]
+
+    def __post_init__(self) -> None:
+        # Layout invariant: prefill rows first, then decode rows.
+        seen_decode = False
+        for c in self.chunks:
+            if c.is_prefill:
+                assert not seen_decode, f"prefill chunk after a decode in {self}"
+            else:
+                seen_decode = True
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks if c.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for c in self.chunks if not c.is_prefill)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def sampled_seq_ids(self) -> list[int]:
+        return [c.seq_id for c in self.chunks if c.do_sample]
+
+    @property
+    def kind(self) -> str:
+        """``prefill``, ``decode`` or ``hybrid`` (both)."""
+        p, d = self.num_prefill_tokens, self.num_decode_tokens
+        if p and d:
+            return "hybrid"
+        return "prefill" if p else "decode"
+
+    def __repr__(self) -> str:
+        body = " ".join(repr(c) for c in self.chunks)
+        return (
+            f"MB{self.microbatch_id}<{self.kind} P={self.num_prefill_tokens} "
+            f"D={self.num_decode_tokens}: {body}>"
+        )

@@ -1,0 +1,217 @@
+"""What every policy shares: queues, admission, KV blocks, preemption, plan bookkeeping.
+
+A policy only decides which sequences and how many tokens of each go into the next
+micro-batch (``_select``); this base turns the choice into a ``MicroBatchPlan``.
+
+Lifecycle: ``add`` -> ``schedule(now)`` (zero or more times, each plan is in flight until)
+-> ``on_step_done(plan, sampled, now)`` -> the engine checks stop conditions and calls
+``finish``. Blocks of a finished sequence are freed once no plan in flight holds it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections import deque
+
+from sarathi_pp.block_manager import BlockManager
+from sarathi_pp.config import SchedulerConfig
+from sarathi_pp.plan import MicroBatchPlan, ScheduledChunk
+from sarathi_pp.sequence import Sequence, SequenceStatus
+
+# Why the scheduler had nothing to issue (recorded as bubble causes on stage 0).
+IDLE_NO_WORK = "no_work"  # no request has arrived (or everything is finished)
+IDLE_DEPENDENCY = "dependency"  # work exists but waits for sampled tokens or free KV blocks
+
+Selection = list[tuple[Sequence, int]]  # (sequence, number of tokens to issue)
+
+
+class Scheduler(ABC):
+    def __init__(
+        self, config: SchedulerConfig, num_blocks: int, block_size: int, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.waiting: deque[Sequence] = deque()  # FCFS; preempted sequences go to the front
+        self.running: list[Sequence] = []  # admitted, oldest admission first
+        self.seqs: dict[int, Sequence] = {}  # every unfinished (or not yet freed) sequence
+        self._admit_counter = itertools.count()
+        self._next_microbatch_id = 0
+        self._step = 0
+        self.idle_reason: str | None = None
+        self.num_preemptions = 0
+
+    # --- requests ------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        assert seq.seq_id not in self.seqs, seq
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, status: SequenceStatus, now: float, reason=None) -> None:
+        """End ``seq``; its blocks are freed now, or when its last plan in flight is done."""
+        if seq.is_finished:
+            return
+        seq.finish(status, now, reason)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release_if_idle(seq)
+
+    def _release_if_idle(self, seq: Sequence) -> None:
+        if seq.is_finished and seq.num_inflight == 0:
+            self.block_manager.free(seq)
+            self.seqs.pop(seq.seq_id, None)
+
+    # --- scheduling ----------------------------------------------------------------------
+    def schedule(self, now: float) -> MicroBatchPlan | None:
+        """The next micro-batch, or ``None`` (then ``idle_reason`` says why)."""
+        selection = self._select(now)
+        if not selection:
+            self.idle_reason = IDLE_DEPENDENCY if self._has_arrived_work(now) else IDLE_NO_WORK
+            return None
+        self.idle_reason = None
+        return self._make_plan(selection, now)
+
+    @abstractmethod
+    def _select(self, now: float) -> Selection:
+        """Pick (sequence, num_tokens) pairs; blocks for them must already be reserved."""
+
+    def on_step_done(
+        self, plan: MicroBatchPlan, sampled: dict[int, int], now: float
+    ) -> list[Sequence]:
+        """Account a finished plan; returns the live sequences that received a token."""
+        for chunk in plan.chunks:
+            self.seqs_by_id(chunk.seq_id).num_inflight -= 1
+        updated = []
+        for seq_id, token in sampled.items():
+            seq = self.seqs_by_id(seq_id)
+            if not seq.is_finished:
+                seq.append_token(token, now)
+                updated.append(seq)
+        for chunk in plan.chunks:
+            self._release_if_idle(self.seqs_by_id(chunk.seq_id))
+        return updated
+
+    def seqs_by_id(self, seq_id: int) -> Sequence:
+        # Known until freed, even after ``finish``: a plan in flight may still hold it.
+        return self.seqs[seq_id]
+
+    # --- helpers for policies ------------------------------------------------------------
+    def _arrived_waiting(self, now: float) -> list[Sequence]:
+        return [s for s in self.waiting if s.metrics.arrival_time <= now]
+
+    def _has_arrived_work(self, now: float) -> bool:
+        return bool(self.running) or bool(self._arrived_waiting(now))
+
+    def _decode_candidates(self) -> list[Sequence]:
+        """Running sequences ready for one decode token, least recently scheduled first."""
+        ready = [s for s in self.running if s.is_decode]
+        return sorted(ready, key=lambda s: (s.last_scheduled_step, s.admit_order))
+
+    def _partial_prefills(self) -> list[Sequence]:
+        """Admitted sequences whose prompt (or recompute) is not fully issued yet."""
+        return [s for s in self.running if s.is_schedulable and not s.is_decode]
+
+    def _can_admit(self) -> bool:
+        return len(self.running) < self.config.max_num_seqs
+
+    def _admit(self, seq: Sequence, now: float) -> None:
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        seq.admit_order = next(self._admit_counter)
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = now
+        self.running.append(seq)
+
+    def _fit_tokens(self, seq: Sequence, num_tokens: int) -> int:
+        """How many of ``num_tokens`` next tokens of ``seq`` fit in its blocks + free ones."""
+        bm = self.block_manager
+        slots = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size
+        return max(0, min(num_tokens, slots - seq.num_scheduled_tokens))
+
+    def _reserve(self, seq: Sequence, num_tokens: int, protected: set[int]) -> bool:
+        """Blocks for the next ``num_tokens`` tokens of ``seq``, preempting if needed.
+
+        Victims are the most recently admitted running sequences that no plan in flight
+        holds and that are not already in this plan (``protected``); possibly ``seq``
+        itself, which then is not scheduled.
+        """
+        end = seq.num_scheduled_tokens + num_tokens
+        while not self.block_manager.can_grow(seq, end):
+            victim = self._pick_victim(protected)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.block_manager.grow(seq, end)
+        return True
+
+    def _pick_victim(self, protected: set[int]) -> Sequence | None:
+        candidates = [
+            s for s in self.running if s.num_inflight == 0 and s.seq_id not in protected
+        ]
+        return max(candidates, key=lambda s: s.admit_order, default=None)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt by recompute: drop the KV, keep the tokens, requeue at the front."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_scheduled_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _trim_to_tile(self, selection: Selection) -> Selection:
+        """Round the rows down to a multiple of ``tile_size`` by trimming prefill chunks
+        from the end; never below one prefill token (then nothing is trimmed)."""
+        tile = self.config.tile_size
+        excess = sum(n for _, n in selection) % tile
+        prefill_rows = sum(n for s, n in selection if not s.is_decode)
+        if excess == 0 or prefill_rows <= excess:
+            return selection
+        out = list(selection)
+        for i in range(len(out) - 1, -1, -1):
+            seq, n = out[i]
+            if seq.is_decode or excess == 0:
+                continue
+            cut = min(n, excess)
+            excess -= cut
+            out[i] = (seq, n - cut)
+        return [(s, n) for s, n in out if n > 0]
+
+    def _make_plan(self, selection: Selection, now: float) -> MicroBatchPlan:
+        self._step += 1
+        prefills = [(s, n) for s, n in selection if not s.is_decode]
+        decodes = [(s, n) for s, n in selection if s.is_decode]
+        chunks = []
+        for seq, n in prefills + decodes:  # layout: prefill rows first, then decode rows
+            chunks.append(self._issue(seq, n))
+        plan = MicroBatchPlan(self._next_microbatch_id, tuple(chunks))
+        self._next_microbatch_id += 1
+        return plan
+
+    def _issue(self, seq: Sequence, n: int) -> ScheduledChunk:
+        start = seq.num_scheduled_tokens
+        assert 0 < n <= seq.num_pending_tokens, (seq, n)
+        assert len(seq.block_table) * self.block_manager.block_size >= start + n, seq
+        is_prefill = not seq.is_decode
+        seq.num_scheduled_tokens += n
+        seq.num_inflight += 1
+        seq.last_scheduled_step = self._step
+        reaches_end = seq.num_scheduled_tokens == seq.num_tokens
+        return ScheduledChunk(
+            seq_id=seq.seq_id,
+            start=start,
+            token_ids=tuple(seq.token_ids[start : start + n]),
+            is_prefill=is_prefill,
+            block_table=tuple(seq.block_table),
+            sampling_params=seq.params if reaches_end else None,
+            num_output_tokens=seq.num_output_tokens,
+        )

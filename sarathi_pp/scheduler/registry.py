@@ -1,0 +1,33 @@
+"""Scheduler policies by name (lazy imports keep ``config`` free of import cycles)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sarathi_pp.config import SchedulerConfig
+    from sarathi_pp.scheduler.base import Scheduler
+
+_POLICIES = {
+    "sarathi": "sarathi_pp.scheduler.sarathi:SarathiScheduler",
+    "vllm": "sarathi_pp.scheduler.vllm:VLLMScheduler",
+    "orca": "sarathi_pp.scheduler.orca:OrcaScheduler",
+    "simple_chunking": "sarathi_pp.scheduler.simple_chunking:SimpleChunkingScheduler",
+}
+
+
+def scheduler_names() -> list[str]:
+    return list(_POLICIES)
+
+
+def create_scheduler(
+    config: SchedulerConfig, num_blocks: int, block_size: int, max_model_len: int
+) -> Scheduler:
+    if config.policy not in _POLICIES:
+        raise ValueError(
+            f"unknown scheduler {config.policy!r}; valid: {', '.join(scheduler_names())}"
+        )
+    module, _, name = _POLICIES[config.policy].partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    return cls(config, num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len)

@@ -1,0 +1,71 @@
+"""SARATHI: decode-maximal batching with chunked prefills.
+
+Every micro-batch has ``chunk_size`` rows at most. The running decodes go first (they are
+nearly free when they ride along a prefill chunk's matmuls); the rest of the budget takes
+the next chunk of the prefill in progress and then of waiting requests (FCFS). With
+``tile_align`` the prefill is trimmed so that ``Lp + Bd`` is a multiple of ``tile_size``.
+"""
+
+from __future__ import annotations
+
+from sarathi_pp.scheduler.base import Scheduler, Selection
+from sarathi_pp.sequence import Sequence
+
+
+class SarathiScheduler(Scheduler):
+    def _select(self, now: float) -> Selection:
+        budget = self.config.chunk_size
+        selection: Selection = []
+        picked: set[int] = set()
+        budget = self._take_decodes(selection, picked, budget)
+        self._take_prefills(selection, picked, budget, now)
+        if self.config.tile_align:
+            selection = self._trim_to_tile(selection)
+        return self._reserve_prefills(selection)
+
+    def _take_decodes(self, selection: Selection, picked: set[int], budget: int) -> int:
+        for seq in self._decode_candidates():
+            if budget == 0:
+                break
+            if seq.is_finished or seq not in self.running:
+                continue  # preempted while reserving for an earlier decode
+            # ``seq`` itself is not protected: if it is the most recently admitted, it is
+            # the victim (preempted, not scheduled) rather than an older sequence.
+            if self._reserve(seq, 1, picked):
+                picked.add(seq.seq_id)
+                selection.append((seq, 1))
+                budget -= 1
+        return budget
+
+    def _take_prefills(self, selection: Selection, picked: set[int], budget: int, now: float) -> None:
+        """Prefill chunks sized by the budget and the free blocks; blocks are taken later,
+        after tile trimming, by ``_reserve_prefills``."""
+        free_slots = self.block_manager.num_free_blocks * self.block_manager.block_size
+        for seq in self._partial_prefills() + self._arrived_waiting(now):
+            if budget == 0:
+                break
+            if seq in self.waiting and not self._can_admit():
+                break
+            n = min(seq.num_pending_tokens, budget, self._slots_for(seq, free_slots))
+            if n <= 0:
+                break  # FCFS: nobody overtakes a prompt that does not fit
+            if seq in self.waiting:
+                self._admit(seq, now)
+            selection.append((seq, n))
+            picked.add(seq.seq_id)
+            free_slots -= self._new_slots(seq, n)
+
+    def _slots_for(self, seq: Sequence, free_slots: int) -> int:
+        bs = self.block_manager.block_size
+        own = len(seq.block_table) * bs - seq.num_scheduled_tokens
+        return own + free_slots
+
+    def _new_slots(self, seq: Sequence, n: int) -> int:
+        bs = self.block_manager.block_size
+        return self.block_manager.num_missing_blocks(seq, seq.num_scheduled_tokens + n) * bs
+
+    def _reserve_prefills(self, selection: Selection) -> Selection:
+        for seq, n in selection:
+            if not seq.is_decode:
+                self.block_manager.grow(seq, seq.num_scheduled_tokens + n)
+        return selection

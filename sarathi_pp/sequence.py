@@ -1,0 +1,125 @@
+"""A request's sequence and its state machine (pure Python, no torch).
+
+Token accounting (see DESIGN.md, "One request's way through"):
+
+* ``token_ids`` = prompt + generated tokens.
+* ``num_scheduled_tokens``: how many leading tokens have been issued in a micro-batch plan;
+  their K/V is in the paged cache once that plan has run. With pipeline parallelism a later
+  prefill chunk may be issued while an earlier one is still in flight, so this counts
+  *issued*, not *finished*, tokens.
+* A sequence is schedulable while ``num_scheduled_tokens < num_tokens``. After its last
+  token is issued it waits for the sampled token (``num_scheduled == num_tokens``), which is
+  exactly the decode dependency of a pipeline.
+* Preemption by recompute resets ``num_scheduled_tokens`` to 0 and frees the blocks; the
+  generated tokens are kept and are recomputed as part of the next prefill.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from sarathi_pp.outputs import RequestMetrics
+from sarathi_pp.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted, or preempted and waiting to be readmitted
+    RUNNING = "running"  # admitted: holds KV blocks
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.is_finished else None
+
+
+class Sequence:
+    """One request (``n == 1``, so a request is one sequence)."""
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        prompt: str | None = None,
+    ) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.num_scheduled_tokens = 0
+        self.num_inflight = 0  # micro-batch plans issued and not yet done that hold this seq
+        self.block_table: list[int] = []
+        self.admit_order = -1  # set at each admission; larger = admitted more recently
+        self.last_scheduled_step = -1
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+
+    # --- sizes -------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens not yet issued in any plan."""
+        return self.num_tokens - self.num_scheduled_tokens
+
+    # --- state predicates ----------------------------------------------------------------
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_decode(self) -> bool:
+        """True when the next step is a single decode token (not a prompt/recompute chunk).
+
+        The last token of a recompute whose previous chunk is still in flight is the tail of
+        that prefill, not a decode: a decoding sequence is in at most one plan in flight."""
+        return self.num_output_tokens > 0 and self.num_pending_tokens == 1 and self.num_inflight == 0
+
+    @property
+    def is_schedulable(self) -> bool:
+        return not self.is_finished and self.num_pending_tokens > 0
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+        m = self.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.token_times.append(now)
+
+    def finish(self, status: SequenceStatus, now: float, reason: int | str | None = None) -> None:
+        assert status.is_finished, status
+        self.status = status
+        self.stop_reason = reason
+        self.metrics.finished_time = now
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, scheduled={self.num_scheduled_tokens}, "
+            f"blocks={len(self.block_table)})"
+        )

@@ -1,0 +1,173 @@
+"""Split attention for a hybrid micro-batch.
+
+The flat batch is ``[prefill rows | decode rows]``. Linear layers run once over all rows;
+attention splits them (see DESIGN.md, "The hybrid micro-batch"):
+
+* each prefill chunk's rows attend causally within the chunk and fully to the KV cached
+  for earlier chunks of the same prompt;
+* decode rows attend to their sequence's paged KV;
+
+and the outputs are written back into one ``[num_tokens, heads * head_dim]`` tensor. The
+new K/V of every row is written to its slot in the cache first, so a chunk reads its own
+keys from the cache like the earlier ones.
+
+Backends, by name (``ATTENTION_BACKENDS``): ``torch`` (SDPA; CPU and CUDA) and
+``flash_attn`` (flash-attn's varlen/paged kernels; CUDA, block size a multiple of 256).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSlice:
+    """One prefill chunk: rows ``[row_start, row_end)`` at positions ``[start, start+len)``."""
+
+    row_start: int
+    row_end: int
+    start: int  # position of the chunk's first token = tokens already cached before it
+    context_slots: torch.Tensor  # [start + len] slots of positions 0 .. end-1
+
+
+@dataclass
+class AttentionMetadata:
+    """Per micro-batch (several are in flight under PP, so never module-level state)."""
+
+    positions: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens] where each row's new K/V goes
+    num_prefill_tokens: int
+    prefills: list[PrefillSlice]
+    decode_slots: torch.Tensor | None  # [num_decodes, max_context] padded slot ids
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] True = attend
+    # For flash-attn: block tables and lengths (built only when that backend is used).
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor | None = None  # [num_seqs] int32
+    cu_seqlens_q: torch.Tensor | None = None  # [num_prefills + 1] int32
+    max_query_len: int = 0
+    max_context_len: int = 0
+    block_size: int = 0
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    # k_cache: [num_slots, kv_heads, head_dim]; k: [num_tokens, kv_heads, head_dim]
+    k_cache.index_copy_(0, slots, k)
+    v_cache.index_copy_(0, slots, v)
+
+
+class TorchAttention:
+    """PyTorch SDPA over gathered paged KV. Exact and portable; the CPU path."""
+
+    name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, heads * head_dim]
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        for p in meta.prefills:
+            out[p.row_start : p.row_end] = self._prefill(q, k, v, k_cache, v_cache, p)
+        if meta.decode_slots is not None:
+            out[meta.num_prefill_tokens :] = self._decode(
+                q[meta.num_prefill_tokens :], k_cache, v_cache, meta
+            )
+        return out.view(q.shape[0], -1)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillSlice) -> torch.Tensor:
+        qc = q[p.row_start : p.row_end].transpose(0, 1)  # [heads, len, head_dim]
+        if p.start == 0:  # first chunk: its own K/V is all the context
+            kc = k[p.row_start : p.row_end].transpose(0, 1)
+            vc = v[p.row_start : p.row_end].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            kc = k_cache[p.context_slots].transpose(0, 1)  # [kv_heads, context, head_dim]
+            vc = v_cache[p.context_slots].transpose(0, 1)
+            n = p.row_end - p.row_start
+            q_pos = torch.arange(p.start, p.start + n, device=q.device)
+            k_pos = torch.arange(p.start + n, device=q.device)
+            mask = k_pos[None, :] <= q_pos[:, None]  # [len, context] causal with offset
+            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return o.transpose(0, 1)
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        qd = q.unsqueeze(2)  # [num_decodes, heads, 1, head_dim]
+        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [num_decodes, kv_heads, ctx, head_dim]
+        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
+        )
+        return o.squeeze(2)
+
+
+class FlashAttention(TorchAttention):
+    """flash-attn's paged kernels on CUDA: varlen for prefill chunks (queries attend to the
+    paged cache through the block table), ``flash_attn_with_kvcache`` for decodes."""
+
+    name = "flash_attn"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        self._varlen = flash_attn_varlen_func
+        self._with_kvcache = flash_attn_with_kvcache
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        assert meta.block_tables is not None and meta.context_lens is not None
+        block_size = meta.block_size
+        kc = k_cache.view(-1, block_size, *k_cache.shape[1:])  # [blocks, block_size, kvh, d]
+        vc = v_cache.view(-1, block_size, *v_cache.shape[1:])
+        out = torch.empty_like(q)
+        num_prefills = len(meta.prefills)
+        npt = meta.num_prefill_tokens
+        if num_prefills:
+            lens_k = meta.context_lens[:num_prefills]
+            cu_k = F.pad(lens_k.cumsum(0, dtype=torch.int32), (1, 0))
+            out[:npt] = self._varlen(
+                q[:npt], kc, vc,
+                cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=cu_k,
+                max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_context_len,
+                softmax_scale=self.scale, causal=True,
+                block_table=meta.block_tables[:num_prefills],
+            )
+        if q.shape[0] > npt:
+            out[npt:] = self._with_kvcache(
+                q[npt:].unsqueeze(1), kc, vc,
+                cache_seqlens=meta.context_lens[num_prefills:],
+                block_table=meta.block_tables[num_prefills:],
+                softmax_scale=self.scale, causal=True,
+            ).squeeze(1)
+        return out.view(q.shape[0], -1)
+
+
+ATTENTION_BACKENDS = {"torch": TorchAttention, "flash_attn": FlashAttention}
+
+
+def select_backend(device: torch.device, block_size: int) -> str:
+    """``flash_attn`` on CUDA when importable and the block size suits its paged kernels
+    (a multiple of 256); otherwise ``torch``."""
+    if device.type != "cuda" or block_size % 256 != 0:
+        return "torch"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "flash_attn"

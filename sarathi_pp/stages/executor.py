@@ -1,0 +1,82 @@
+"""The single-process executor: one stage holding every layer, run synchronously.
+
+A plan that raises is retried one sequence at a time, so one failing request finishes with
+an error of its own while the others go on (K/V writes are idempotent: a retried chunk
+writes the same values to the same slots).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from sarathi_pp.config import EngineConfig
+from sarathi_pp.executor import StepResult
+from sarathi_pp.memory import StageMemory
+from sarathi_pp.model_spec import ModelSpec
+from sarathi_pp.plan import MicroBatchPlan
+from sarathi_pp.stages.device import resolve_device, resolve_dtype
+from sarathi_pp.stages.runner import StageSpec, StageWorker
+from sarathi_pp.stages.sampler import INVALID_TOKEN
+
+logger = logging.getLogger(__name__)
+
+
+def stage_memory(worker: StageWorker, param_bytes: int, config: EngineConfig) -> StageMemory:
+    device_bytes = worker.device_memory()
+    if device_bytes is None:
+        budget = config.cache.cpu_memory_budget
+    else:
+        budget = int(device_bytes * config.cache.gpu_memory_utilization)
+    m_kv = worker.spec.kv_bytes_per_token(worker.stage.layer_end - worker.stage.layer_start, worker.stage.dtype)
+    return StageMemory(worker.stage.stage_idx, param_bytes, m_kv, budget)
+
+
+class UniprocExecutor:
+    def __init__(self, config: EngineConfig, spec: ModelSpec, model_dir: str, max_model_len: int) -> None:
+        device = resolve_device(config.model.device)
+        dtype = resolve_dtype(config.model.dtype, device)
+        stage = StageSpec(0, 1, 0, spec.num_layers, dtype, device)
+        self.config = config
+        self.worker = StageWorker(spec, model_dir, stage, max_model_len)
+        self._done: deque[tuple[MicroBatchPlan, StepResult]] = deque()
+
+    def load_model(self) -> list[StageMemory]:
+        return [stage_memory(self.worker, self.worker.load_model(), self.config)]
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.worker.init_kv_cache(num_blocks, block_size)
+
+    def submit(self, plan: MicroBatchPlan) -> None:
+        self._done.append((plan, self._run(plan)))
+
+    def wait_oldest(self) -> tuple[MicroBatchPlan, StepResult]:
+        return self._done.popleft()
+
+    def shutdown(self) -> None:
+        self._done.clear()
+
+    def _run(self, plan: MicroBatchPlan) -> StepResult:
+        try:
+            return _checked(self.worker.execute(plan))
+        except Exception as e:  # noqa: BLE001 - isolate the request(s) that fail
+            if len(plan.chunks) == 1:
+                seq_id = plan.chunks[0].seq_id
+                logger.exception("request of sequence %d failed", seq_id)
+                return StepResult(errors={seq_id: f"{type(e).__name__}: {e}"})
+        result = StepResult()
+        for chunk in plan.chunks:  # one at a time, to find the culprit(s)
+            solo = self._run(MicroBatchPlan(plan.microbatch_id, (chunk,)))
+            result.sampled.update(solo.sampled)
+            result.errors.update(solo.errors)
+        return result
+
+
+def _checked(sampled: dict[int, int]) -> StepResult:
+    result = StepResult()
+    for seq_id, token in sampled.items():
+        if token == INVALID_TOKEN:
+            result.errors[seq_id] = "the model produced non-finite logits"
+        else:
+            result.sampled[seq_id] = token
+    return result

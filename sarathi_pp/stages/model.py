@@ -1,0 +1,121 @@
+"""A Llama-family decoder slice (Llama, Mistral, Qwen2) over a flat token batch.
+
+All rows of a hybrid micro-batch (prefill chunks + decode tokens) are concatenated to
+``[num_tokens, hidden]``: every linear layer and the MLP is one matmul over ``Lp + Bd``
+rows, which is what makes piggybacked decodes nearly free. Q/K/V and gate/up projections
+are fused at load time (one matmul each instead of three and two). Only attention splits
+the rows (``attention.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from sarathi_pp.model_spec import ModelSpec
+from sarathi_pp.stages.attention import ATTENTION_BACKENDS, AttentionMetadata
+from sarathi_pp.stages.kv_cache import KVCache
+from sarathi_pp.stages.rope import RotaryEmbedding, apply_rotary
+from sarathi_pp.stages.weights import EMBED, LM_HEAD, NORM, load_tensors, stage_tensor_names
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As HF's LlamaRMSNorm: normalise in float32, scale in the model dtype.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class DecoderLayer:
+    def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], prefix: str, attention) -> None:
+        g = lambda k: w[f"{prefix}.{k}"]  # noqa: E731
+        self.qkv = torch.cat([g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"), g("self_attn.v_proj.weight")])
+        self.qkv_bias = None
+        if spec.attention_bias:
+            self.qkv_bias = torch.cat([g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"), g("self_attn.v_proj.bias")])
+        self.o = g("self_attn.o_proj.weight")
+        self.gate_up = torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")])
+        self.down = g("mlp.down_proj.weight")
+        self.ln1 = g("input_layernorm.weight")
+        self.ln2 = g("post_attention_layernorm.weight")
+        self.eps = spec.rms_norm_eps
+        self.q_dim = spec.num_heads * spec.head_dim
+        self.kv_dim = spec.num_kv_heads * spec.head_dim
+        self.head_dim = spec.head_dim
+        self.attention = attention
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        # x: [num_tokens, hidden]
+        h = rms_norm(x, self.ln1, self.eps)
+        qkv = F.linear(h, self.qkv, self.qkv_bias)  # [num_tokens, q_dim + 2 * kv_dim]
+        q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+        n = x.shape[0]
+        q = apply_rotary(q.view(n, -1, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(n, -1, self.head_dim), cos, sin)
+        v = v.reshape(n, -1, self.head_dim)
+        attn = self.attention.forward(q, k, v, k_cache, v_cache, meta)
+        x = x + F.linear(attn, self.o)
+        h = rms_norm(x, self.ln2, self.eps)
+        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down)
+
+
+class StageModel:
+    """Decoder layers ``[layer_start, layer_end)``; the embedding on the first stage, the
+    final norm and lm_head on the last."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        model_dir: str | Path,
+        layer_start: int,
+        layer_end: int,
+        is_first: bool,
+        is_last: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+        attention_backend: str = "torch",
+    ) -> None:
+        self.spec = spec
+        self.is_first, self.is_last = is_first, is_last
+        self.layer_start, self.layer_end = layer_start, layer_end
+        names = stage_tensor_names(spec, layer_start, layer_end, is_first, is_last)
+        w = load_tensors(model_dir, names, dtype, device)
+        self.embed = w.get(EMBED)
+        self.norm = w.get(NORM)
+        self.lm_head = w.get(LM_HEAD, self.embed) if is_last else None
+        attention = ATTENTION_BACKENDS[attention_backend](spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        self.layers = [DecoderLayer(spec, w, f"model.layers.{i}", attention) for i in range(layer_start, layer_end)]
+        self.rope = RotaryEmbedding(spec, max_positions, dtype, device)
+        self.dtype, self.device = dtype, device
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    def param_bytes(self) -> int:
+        ts = [self.embed, self.norm]
+        if self.lm_head is not self.embed:
+            ts.append(self.lm_head)
+        for lyr in self.layers:
+            ts += [lyr.qkv, lyr.qkv_bias, lyr.o, lyr.gate_up, lyr.down, lyr.ln1, lyr.ln2]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def forward(self, inputs: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        """``inputs``: token ids ``[num_tokens]`` on the first stage, else hidden states
+        ``[num_tokens, hidden]``. Returns hidden states ``[num_tokens, hidden]`` (before the
+        final norm)."""
+        x = F.embedding(inputs, self.embed) if self.is_first else inputs
+        cos, sin = self.rope(meta.positions)
+        for idx, layer in enumerate(self.layers):
+            k_cache, v_cache = kv.flat(idx)
+            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden``: ``[num_sampled, hidden]`` rows to sample from -> float32 logits."""
+        assert self.is_last
+        return F.linear(rms_norm(hidden, self.norm, self.spec.rms_norm_eps), self.lm_head).float()

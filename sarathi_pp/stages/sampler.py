@@ -1,0 +1,62 @@
+"""Token sampling on the last stage: greedy, temperature, top-k, top-p, per-request seed.
+
+Greedy rows are one batched argmax. Random rows are filtered and sampled in one batch; a
+request with a ``seed`` draws from its own generator keyed by (seed, output index), so its
+tokens do not depend on what else is in the batch or on preemption. A row whose logits are
+not finite yields ``INVALID_TOKEN`` so the engine fails that request alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sarathi_pp.sampling_params import SamplingParams
+
+INVALID_TOKEN = -1
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], num_outputs: list[int]) -> list[int]:
+    """``logits``: float32 ``[num_rows, vocab]``, one row per sampled sequence."""
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        probs = _filtered_probs(logits[idx], [params[i] for i in random_rows])
+        tokens[idx] = _draw(probs, [params[i] for i in random_rows], [num_outputs[i] for i in random_rows])
+    bad = ~torch.isfinite(logits).all(dim=-1)
+    tokens[bad] = INVALID_TOKEN
+    return tokens.tolist()
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    dev = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
+    logits = logits / temperature
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=dev).unsqueeze(1)
+    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+    drop = ranks >= top_k
+    probs_sorted = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
+    drop |= mass_before >= top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits.softmax(dim=-1))
+
+
+def _draw(probs: torch.Tensor, params: list[SamplingParams], num_outputs: list[int]) -> torch.Tensor:
+    probs = torch.nan_to_num(probs, nan=0.0)
+    ok = probs.sum(dim=-1) > 0
+    safe = torch.where(ok.unsqueeze(1), probs, torch.ones_like(probs))
+    out = torch.multinomial(safe, 1).squeeze(1)
+    for i, p in enumerate(params):
+        if p.seed is not None:
+            g = torch.Generator(device=probs.device).manual_seed(_seed(p.seed, num_outputs[i]))
+            out[i] = torch.multinomial(safe[i], 1, generator=g)[0]
+    return out
+
+
+def _seed(seed: int, index: int) -> int:
+    return (seed * 1_000_003 + index) % (2**63 - 1)
