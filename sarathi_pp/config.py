@@ -58,8 +58,9 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    """Tokens per KV block."""
+    block_size: int | None = None
+    """Tokens per KV block; ``None`` = 16, or 256 on CUDA with flash-attn (its paged
+    kernels want blocks of 256 tokens)."""
     kv_cache_memory: int | None = None
     """Bytes of KV cache per stage; ``None`` = sized from the memory budget (README)."""
     num_kv_blocks: int | None = None
@@ -70,7 +71,7 @@ class CacheConfig:
     """On CUDA, the fraction of device memory one stage may use (M_G), as in vLLM."""
 
     def __post_init__(self) -> None:
-        _check_int("block_size", self.block_size, 1)
+        _check_opt_int("block_size", self.block_size, 1)
         _check_opt_int("kv_cache_memory", self.kv_cache_memory, 1)
         _check_opt_int("num_kv_blocks", self.num_kv_blocks, 1)
         _check_int("cpu_memory_budget", self.cpu_memory_budget, 1)
@@ -211,7 +212,7 @@ def _build(tree: dict[str, Any]) -> EngineConfig:
 
 
 def _apply(tree: dict[str, dict[str, Any]], overrides: dict[str, Any]) -> EngineConfig:
-    tree = {k: dict(v) for k, v in tree.items()}
+    tree = {k: dict(v or {}) for k, v in tree.items()}  # an empty YAML section is None
     for key, value in overrides.items():
         if "." in key:
             section, _, name = key.partition(".")

@@ -21,6 +21,7 @@ from sarathi_pp.model_path import resolve_model_path
 from sarathi_pp.model_spec import ModelSpec, load_model_spec
 from sarathi_pp.outputs import CompletionOutput, RequestOutput
 from sarathi_pp.plan import MicroBatchPlan
+from sarathi_pp.run_dir import prepare_run_dir, write_config
 from sarathi_pp.sampling_params import SamplingParams
 from sarathi_pp.scheduler import create_scheduler
 from sarathi_pp.sequence import Sequence, SequenceStatus
@@ -54,6 +55,9 @@ def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: str = "uniproc") -> None:
+        self.run_dir = None
+        if config.run.run_dir is not None:  # refuse a used run dir before any work
+            self.run_dir = prepare_run_dir(config.run.run_dir, config.run.overwrite)
         self.config = config
         self.model_dir = resolve_model_path(config.model.path)
         self.spec = load_model_spec(self.model_dir)
@@ -67,13 +71,23 @@ class LLMEngine:
             executor, config, self.spec, self.model_dir, self.max_model_len
         )
         self.stage_memory = self.executor.load_model()
+        self.block_size = config.cache.block_size or self.executor.preferred_block_size()
         self.num_kv_blocks = num_kv_blocks(
-            config.cache, self.stage_memory, self.max_model_len, config.scheduler.max_num_seqs
+            config.cache,
+            self.stage_memory,
+            self.block_size,
+            self.max_model_len,
+            config.scheduler.max_num_seqs,
         )
-        self.executor.init_kv_cache(self.num_kv_blocks, config.cache.block_size)
+        self.executor.init_kv_cache(self.num_kv_blocks, self.block_size)
         self.scheduler = create_scheduler(
-            config.scheduler, self.num_kv_blocks, config.cache.block_size, self.max_model_len
+            config.scheduler, self.num_kv_blocks, self.block_size, self.max_model_len
         )
+        self.resolved_config = config.replace(
+            max_model_len=self.max_model_len, block_size=self.block_size
+        )
+        if self.run_dir is not None:
+            write_config(self.run_dir, self.resolved_config)
         self.max_inflight = config.parallel.microbatches_in_flight
         self._inflight: deque[MicroBatchPlan] = deque()
         self._seq_ids = itertools.count()
@@ -112,7 +126,7 @@ class LLMEngine:
             raise ValueError(
                 f"{where} has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}"
             )
-        capacity = self.num_kv_blocks * self.config.cache.block_size
+        capacity = self.num_kv_blocks * self.block_size
         if len(token_ids) + 1 > capacity:
             raise ValueError(
                 f"{where} has {len(token_ids)} tokens; the whole KV cache holds {capacity}"

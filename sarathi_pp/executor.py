@@ -1,7 +1,8 @@
 """Executors run micro-batch plans on the stages; the engine reaches them by name through
 this registry, with lazy imports, so the core never imports torch.distributed or Ray.
 
-Contract (``Executor``): ``load_model()`` -> per-stage memory figures; ``init_kv_cache``;
+Contract (``Executor``): ``load_model()`` -> per-stage memory figures;
+``preferred_block_size()`` (what the attention backend wants); ``init_kv_cache``;
 ``submit(plan)`` issues a plan (it may run asynchronously); ``wait_oldest()`` returns the
 oldest outstanding plan with its ``StepResult``; plans complete in issue order.
 """
@@ -27,6 +28,7 @@ class StepResult:
 
 class Executor(Protocol):
     def load_model(self) -> list[StageMemory]: ...
+    def preferred_block_size(self) -> int: ...
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
     def submit(self, plan: MicroBatchPlan) -> None: ...
     def wait_oldest(self) -> tuple[MicroBatchPlan, StepResult]: ...

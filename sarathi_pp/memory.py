@@ -24,8 +24,8 @@ class StageMemory:
     memory_bytes: int  # M_G
 
 
-def stage_blocks(cache: CacheConfig, stage: StageMemory) -> int:
-    block_bytes = cache.block_size * stage.kv_bytes_per_token
+def stage_blocks(cache: CacheConfig, stage: StageMemory, block_size: int) -> int:
+    block_bytes = block_size * stage.kv_bytes_per_token
     if cache.kv_cache_memory is not None:
         return cache.kv_cache_memory // block_bytes
     free = stage.memory_bytes - stage.param_bytes
@@ -39,25 +39,29 @@ def stage_blocks(cache: CacheConfig, stage: StageMemory) -> int:
 
 
 def num_kv_blocks(
-    cache: CacheConfig, stages: list[StageMemory], max_model_len: int, max_num_seqs: int
+    cache: CacheConfig,
+    stages: list[StageMemory],
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
 ) -> int:
     """The shared block count; ``ValueError`` if one ``max_model_len`` sequence won't fit."""
-    needed = blocks_for(max_model_len, cache.block_size)
+    needed = blocks_for(max_model_len, block_size)
     if cache.num_kv_blocks is not None:
         blocks, how = cache.num_kv_blocks, f"num_kv_blocks={cache.num_kv_blocks}"
     else:
-        per_stage = [stage_blocks(cache, s) for s in stages]
+        per_stage = [stage_blocks(cache, s, block_size) for s in stages]
         blocks = min(per_stage)
         binding = stages[per_stage.index(blocks)]
         budget = cache.kv_cache_memory or binding.memory_bytes - binding.param_bytes
         how = (
-            f"stage {binding.stage_idx}: {budget} bytes // ({cache.block_size} tokens x "
+            f"stage {binding.stage_idx}: {budget} bytes // ({block_size} tokens x "
             f"{binding.kv_bytes_per_token} bytes/token) = {blocks} blocks"
         )
         blocks = min(blocks, max_num_seqs * needed)
     if blocks < needed:
         raise ValueError(
             f"the KV cache cannot hold one sequence of max_model_len={max_model_len} tokens: "
-            f"it needs {needed} blocks of {cache.block_size} tokens, {how}"
+            f"it needs {needed} blocks of {block_size} tokens, {how}"
         )
     return blocks

@@ -15,6 +15,7 @@ from sarathi_pp.executor import StepResult
 from sarathi_pp.memory import StageMemory
 from sarathi_pp.model_spec import ModelSpec
 from sarathi_pp.plan import MicroBatchPlan
+from sarathi_pp.stages.attention import preferred_block_size
 from sarathi_pp.stages.device import resolve_device, resolve_dtype
 from sarathi_pp.stages.runner import StageSpec, StageWorker
 from sarathi_pp.stages.sampler import INVALID_TOKEN
@@ -43,6 +44,9 @@ class UniprocExecutor:
 
     def load_model(self) -> list[StageMemory]:
         return [stage_memory(self.worker, self.worker.load_model(), self.config)]
+
+    def preferred_block_size(self) -> int:
+        return preferred_block_size(self.worker.device)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.worker.init_kv_cache(num_blocks, block_size)
