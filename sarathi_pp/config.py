@@ -227,6 +227,9 @@ def _apply(tree: dict[str, dict[str, Any]], overrides: dict[str, Any]) -> Engine
             raise ValueError(
                 f"unknown keyword {key!r}; allowed: {', '.join(FLAT_KEYS)} or 'section.key'"
             )
+        if (section, name) in seen:
+            raise ValueError(f"{key!r} and {seen[section, name]!r} set the same key {section}.{name}")
+        seen[section, name] = key
         tree.setdefault(section, {})[name] = value
     return _build(tree)
 

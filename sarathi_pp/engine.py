@@ -251,6 +251,9 @@ class LLMEngine:
         if seq.is_finished:
             self._text.pop(seq.seq_id, None)
             self._requests.pop(seq.request_id, None)
+            if self.detokenizer is not None and not isinstance(seq.stop_reason, str):
+                # The stream holds back an incomplete UTF-8 tail; the final text has it all.
+                text = self.detokenizer.decode(seq.output_token_ids)
         completion = CompletionOutput(
             index=0,
             text=text,

@@ -35,6 +35,16 @@ class LLM:
         """From a YAML config; keyword overrides (flat names or ``section.key``) win."""
         return cls(config=load_config(path, **overrides))
 
+    def shutdown(self) -> None:
+        """Release the executor (stage actors, process groups); the LLM is unusable after."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -1,0 +1,7 @@
+"""``python -m sarathi_pp.launch``: the same as the ``sarathi-pp`` command."""
+
+import sys
+
+from sarathi_pp.launch.cli import main
+
+sys.exit(main())

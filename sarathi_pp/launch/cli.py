@@ -1,0 +1,343 @@
+"""The ``sarathi-pp`` command line: one subcommand per task (``generate`` for now).
+
+``main()`` stays thin: parse, load the config, build, run. Each subcommand is a
+``run_<name>(args) -> int`` function registered by ``add_<name>_parser``; the pieces that
+need no model (building the config, the sampling parameters, collecting prompts) are plain
+functions so they can be tested in milliseconds.
+
+Exit status: 0 on success; 1 when some request finished with an error (the others still
+complete and are written); 2 for a usage error. A usage error is a mistake in what the user
+gave: bad flags (argparse), a bad config value, a missing config file, model folder or
+prompts file, an invalid prompt. It prints ``sarathi-pp: error: <message>`` to stderr with
+no traceback. Anything else is a bug and propagates with its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from sarathi_pp.config import DTYPES, FLAT_KEYS, EngineConfig, load_config, parse_set_value
+from sarathi_pp.sampling_params import SamplingParams
+
+PROG = "sarathi-pp"
+
+# Flag dest -> config key (a flat ``LLM(...)`` keyword, see ``config.FLAT_KEYS``).
+OVERRIDE_FLAGS: dict[str, str] = {
+    "model": "model",
+    "scheduler": "scheduler",
+    "chunk_size": "chunk_size",
+    "pipeline_parallel_size": "pipeline_parallel_size",
+    "dtype": "dtype",
+    "run_dir": "run_dir",
+    "overwrite": "overwrite",
+}
+
+# Above this many prompts a progress bar is drawn even when stderr is not a terminal.
+PROGRESS_MIN_PROMPTS = 64
+
+
+class UsageError(Exception):
+    """A mistake in the user's input; ``main`` prints it and exits with status 2."""
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn the errors validation raises for bad input into ``UsageError``.
+
+    Why a scope instead of catching in ``main``: only the setup phases (config, model,
+    prompts) are wrapped, so a ``ValueError`` from a bug in the engine loop still
+    propagates with its traceback.
+    """
+    try:
+        yield
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        raise UsageError(str(e)) from e
+
+
+# --- parser ---------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="SARATHI (chunked prefills + decode-maximal batching) LLM inference.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_generate_parser(subparsers)
+    return parser
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The config flags every model-running subcommand shares."""
+    g = parser.add_argument_group("engine config (later wins: defaults < --config < flags)")
+    g.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
+    g.add_argument("--model", metavar="PATH", help="model folder or builtin:NAME (model.path)")
+    g.add_argument("--scheduler", metavar="POLICY", help="scheduler.policy (sarathi, vllm, ...)")
+    g.add_argument("--chunk-size", type=int, metavar="N", help="scheduler.chunk_size")
+    g.add_argument(
+        "--pipeline-parallel-size", type=int, metavar="N", help="parallel.pipeline_parallel_size"
+    )
+    g.add_argument("--dtype", choices=DTYPES, help="model.dtype")
+    g.add_argument("--run-dir", metavar="DIR", help="run.run_dir: where the run's records go")
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=None,
+        help="run.overwrite: allow writing into a non-empty run dir",
+    )
+    g.add_argument(
+        "--set",
+        dest="set_items",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="any config key, value parsed as YAML (repeatable; e.g. scheduler.chunk_size=512)",
+    )
+
+
+def add_generate_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate completions for prompts",
+        description="Generate a completion for each prompt (greedy unless --temperature).",
+    )
+    add_engine_args(p)
+    g = p.add_argument_group("prompts (--prompt ones first, then the file's)")
+    g.add_argument("--prompt", dest="prompts", action="append", default=[], metavar="TEXT")
+    g.add_argument(
+        "--prompts-file", metavar="FILE", help="one prompt a line, blank lines skipped; - = stdin"
+    )
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=16, metavar="N", help="default: 16")
+    g.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="default: 0 (greedy)"
+    )
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="default: 1 (off)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="default: 0 (off)")
+    g.add_argument("--seed", type=int, default=None, metavar="N")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+    g.add_argument(
+        "--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)"
+    )
+    g = p.add_argument_group("output")
+    g.add_argument(
+        "--output",
+        metavar="FILE",
+        help="write JSON Lines, one object per prompt in prompt order (- = stdout); "
+        "default: print readable results to stdout",
+    )
+    g.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when stderr is a terminal or there are "
+        f"more than {PROGRESS_MIN_PROMPTS} prompts)",
+    )
+    p.set_defaults(func=run_generate)
+
+
+# --- pieces that need no model --------------------------------------------------------------
+def parse_set_items(items: list[str]) -> dict[str, Any]:
+    """``["scheduler.chunk_size=7", ...]`` -> ``{"scheduler.chunk_size": 7}`` (last wins)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects SECTION.KEY=VALUE, got {item!r}")
+        out[key.strip()] = parse_set_value(value)
+    return out
+
+
+def _dotted(key: str) -> str:
+    """The ``section.key`` name of a flat or dotted config key (unknown ones unchanged)."""
+    if key in FLAT_KEYS:
+        section, name = FLAT_KEYS[key]
+        return f"{section}.{name}"
+    return key
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The dedicated flags and ``--set`` items as ``section.key`` overrides.
+
+    A key given both by a flag and by ``--set`` with different values is an error: neither
+    silently winning would surprise someone.
+    """
+    flags = {
+        _dotted(key): getattr(args, dest)
+        for dest, key in OVERRIDE_FLAGS.items()
+        if getattr(args, dest, None) is not None
+    }
+    sets = {_dotted(k): v for k, v in parse_set_items(args.set_items).items()}
+    for key in flags.keys() & sets.keys():
+        if flags[key] != sets[key]:
+            raise ValueError(
+                f"{key} is given twice: {flags[key]!r} by its flag and {sets[key]!r} by --set"
+            )
+    return {**flags, **sets}
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine config: defaults < ``--config`` file < flags and ``--set``."""
+    return load_config(args.config, **config_overrides(args))
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        stop=tuple(args.stop),
+    )
+
+
+def collect_prompts(args: argparse.Namespace, stdin: IO[str] | None = None) -> list[str]:
+    """``--prompt`` ones first, then ``--prompts-file`` lines (blank ones skipped)."""
+    prompts = list(args.prompts)
+    if args.prompts_file is not None:
+        prompts += read_prompts_file(args.prompts_file, stdin)
+    if not prompts:
+        raise ValueError("no prompts: give --prompt TEXT or --prompts-file FILE")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+    return prompts
+
+
+def read_prompts_file(path: str, stdin: IO[str] | None = None) -> list[str]:
+    if path == "-":
+        text = (stdin or sys.stdin).read()
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"prompts file {path!r} does not exist")
+        text = p.read_text(encoding="utf-8")
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def check_output_path(path: str | None) -> None:
+    """Fail before the model loads, not after the run, when the output can't be written."""
+    if path is None or path == "-":
+        return
+    parent = Path(path).parent
+    if not parent.is_dir():
+        raise FileNotFoundError(f"output folder {str(parent)!r} does not exist")
+    if Path(path).is_dir():
+        raise ValueError(f"--output {path!r} is a folder")
+
+
+def should_show_progress(choice: bool | None, num_prompts: int, stderr: IO[str]) -> bool:
+    """``--progress``/``--no-progress`` if given; else a bar on a terminal (where ``\\r``
+    redraws in place) or for a long run even in a log (where it is a heartbeat)."""
+    if choice is not None:
+        return choice
+    return stderr.isatty() or num_prompts > PROGRESS_MIN_PROMPTS
+
+
+# --- results --------------------------------------------------------------------------------
+def result_record(index: int, out: Any) -> dict[str, Any]:
+    """One JSON Lines object for ``out`` (a ``RequestOutput``)."""
+    completion = out.outputs[0]
+    return {
+        "index": index,
+        "prompt": out.prompt,
+        "prompt_token_ids": list(out.prompt_token_ids),
+        "token_ids": list(completion.token_ids),
+        "text": completion.text,
+        "finish_reason": completion.finish_reason,
+        "error": out.error or completion.error,
+        "ttft_s": out.metrics.ttft,
+    }
+
+
+def write_jsonl(records: list[dict[str, Any]], stream: IO[str]) -> None:
+    for record in records:
+        stream.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def print_readable(records: list[dict[str, Any]], stream: IO[str]) -> None:
+    # repr: a random or small model emits newlines and control bytes; keep one field a line.
+    for r in records:
+        print(f"[{r['index']}] prompt: {r['prompt']!r}", file=stream)
+        print(f"    output: {r['text']!r}", file=stream)
+        status = f"{r['finish_reason']}, {len(r['token_ids'])} tokens"
+        if r["error"]:
+            status += f", error: {r['error']}"
+        print(f"    finish: {status}", file=stream)
+
+
+def summary_line(records: list[dict[str, Any]], wall_s: float) -> str:
+    num_tokens = sum(len(r["token_ids"]) for r in records)
+    num_failed = sum(1 for r in records if r["error"])
+    rate = num_tokens / wall_s if wall_s > 0 else float("inf")
+    failed = f", {num_failed} failed" if num_failed else ""
+    return (
+        f"{PROG}: {len(records)} requests{failed}, {num_tokens} generated tokens "
+        f"in {wall_s:.2f} s ({rate:.1f} tokens/s)"
+    )
+
+
+# --- subcommands ----------------------------------------------------------------------------
+def run_generate(args: argparse.Namespace) -> int:
+    from sarathi_pp.llm import LLM  # loads torch: only once the arguments are known good
+
+    with user_errors():
+        config = config_from_args(args)
+        params = sampling_params_from_args(args)
+        prompts = collect_prompts(args)
+        check_output_path(args.output)
+        llm = LLM(config=config)
+        requests = [tokenized_prompt(llm, i, p) for i, p in enumerate(prompts)]
+    use_tqdm = should_show_progress(args.progress, len(prompts), sys.stderr)
+    try:
+        start = time.perf_counter()
+        outputs = llm.generate(requests, params, use_tqdm=use_tqdm)
+        wall_s = time.perf_counter() - start
+    finally:
+        llm.engine.shutdown()
+    records = [result_record(i, out) for i, out in enumerate(outputs)]
+    if args.output is None:
+        print_readable(records, sys.stdout)
+    elif args.output == "-":
+        write_jsonl(records, sys.stdout)
+    else:
+        with open(args.output, "w", encoding="utf-8") as f:
+            write_jsonl(records, f)
+    print(summary_line(records, wall_s), file=sys.stderr)
+    return 1 if any(r["error"] for r in records) else 0
+
+
+def tokenized_prompt(llm: Any, index: int, text: str) -> dict[str, Any]:
+    """Tokenize and check one prompt before any runs, naming it on error.
+
+    Why not let ``LLM.generate`` do it: it would, but its ``ValueError`` could not be told
+    apart from one raised by the engine loop, which must not be reported as a usage error.
+    """
+    token_ids = llm.engine.tokenize(text)
+    llm.engine.validate_prompt(token_ids, f"prompt {index}")
+    return {"prompt": text, "prompt_token_ids": token_ids}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``sarathi-pp``; returns the exit status (see the module docstring).
+
+    Usage errors raise ``SystemExit(2)``, as argparse does for bad flags.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""``sarathi-pp generate`` end to end on the tiny random Llama of ``tests/conftest.py``
+(byte tokenizer, ``llama_dir``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sarathi_pp import LLM, SamplingParams
+from sarathi_pp.launch.cli import build_parser, config_from_args, main
+
+
+def engine_args(model_dir) -> list[str]:
+    return ["--model", str(model_dir), "--set", "model.max_model_len=128", "--dtype", "float32"]
+
+
+PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog", "a"]
+
+
+def test_jsonl_matches_llm(llama_dir, tmp_path):
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text(f"\n{PROMPTS[1]}\n\n{PROMPTS[2]}\n")
+    out = tmp_path / "out.jsonl"
+    argv = [
+        "generate", *engine_args(llama_dir), "--prompt", PROMPTS[0],
+        "--prompts-file", str(prompts_file), "--max-tokens", "6", "--ignore-eos",
+        "--output", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in records] == [0, 1, 2]
+    assert [r["prompt"] for r in records] == PROMPTS
+    keys = {"index", "prompt", "prompt_token_ids", "token_ids", "text", "finish_reason", "error", "ttft_s"}  # fmt: skip
+    for r in records:
+        assert set(r) == keys
+        assert len(r["token_ids"]) == 6
+        assert r["finish_reason"] == "length" and r["error"] is None
+        assert isinstance(r["ttft_s"], float) and r["ttft_s"] >= 0
+
+    # The oracle: the Python API, greedy, on the same config.
+    llm = LLM(config=config_from_args(build_parser().parse_args(argv)))
+    expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    for r, e in zip(records, expected, strict=True):
+        assert r["prompt_token_ids"] == e.prompt_token_ids
+        assert r["token_ids"] == e.outputs[0].token_ids
+        assert r["text"] == e.outputs[0].text
+
+
+def test_set_chunk_size_takes_effect(llama_dir, tmp_path, monkeypatch):
+    import sarathi_pp.llm
+
+    seen = []
+
+    class SpyLLM(sarathi_pp.llm.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.append(self)
+
+    monkeypatch.setattr(sarathi_pp.llm, "LLM", SpyLLM)
+    runs = {}
+    for chunk_size in (7, 256):
+        out = tmp_path / f"chunk{chunk_size}.jsonl"
+        argv = [
+            "generate", *engine_args(llama_dir), "--set", f"scheduler.chunk_size={chunk_size}",
+            "--prompt", PROMPTS[1], "--max-tokens", "4", "--ignore-eos", "--output", str(out),
+        ]  # fmt: skip
+        assert main(argv) == 0
+        assert seen[-1].config.scheduler.chunk_size == chunk_size
+        runs[chunk_size] = json.loads(out.read_text())["token_ids"]
+    # A 44-token prompt in chunks of 7 gives the same greedy tokens as in one chunk.
+    assert runs[7] == runs[256]
+
+
+def test_readable_stdout_and_summary(llama_dir, capsys):
+    argv = [
+        "generate",
+        *engine_args(llama_dir),
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "3",
+        "--ignore-eos",
+    ]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0] == "[0] prompt: 'Hi'"
+    assert lines[1].startswith("    output: ")
+    assert lines[2] == "    finish: length, 3 tokens"
+    assert "sarathi-pp: 1 requests, 3 generated tokens in" in captured.err
+    assert "tokens/s" in captured.err
+
+
+def test_missing_model_dir(tmp_path, capsys):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", str(missing), "--prompt", "hi"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sarathi-pp: error: ") and str(missing) in err
+    assert "Traceback" not in err
+
+
+def test_prompt_too_long_is_a_usage_error(llama_dir, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", *engine_args(llama_dir), "--prompt", "ok", "--prompt", "x" * 200])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "prompt 1 has 201 tokens, more than max_model_len=128" in err
+
+
+def test_run_dir_and_overwrite(llama_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    argv = ["generate", *engine_args(llama_dir), "--prompt", "Hi", "--max-tokens", "2"]
+    assert main([*argv, "--run-dir", str(run_dir)]) == 0
+    assert (run_dir / "config.yaml").is_file()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--run-dir", str(run_dir)])
+    assert info.value.code == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert main([*argv, "--run-dir", str(run_dir), "--overwrite"]) == 0
