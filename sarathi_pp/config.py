@@ -213,6 +213,7 @@ def _build(tree: dict[str, Any]) -> EngineConfig:
 
 def _apply(tree: dict[str, dict[str, Any]], overrides: dict[str, Any]) -> EngineConfig:
     tree = {k: dict(v or {}) for k, v in tree.items()}  # an empty YAML section is None
+    seen: dict[tuple[str, str], str] = {}  # (section, field) -> the keyword that set it
     for key, value in overrides.items():
         if "." in key:
             section, _, name = key.partition(".")

@@ -97,7 +97,9 @@ class Sequence:
 
         The last token of a recompute whose previous chunk is still in flight is the tail of
         that prefill, not a decode: a decoding sequence is in at most one plan in flight."""
-        return self.num_output_tokens > 0 and self.num_pending_tokens == 1 and self.num_inflight == 0
+        return (
+            self.num_output_tokens > 0 and self.num_pending_tokens == 1 and self.num_inflight == 0
+        )
 
     @property
     def is_schedulable(self) -> bool:

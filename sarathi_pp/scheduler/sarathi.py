@@ -53,6 +53,7 @@ class SarathiScheduler(Scheduler):
                 self._admit(seq, now)
             selection.append((seq, n))
             picked.add(seq.seq_id)
+            budget -= n
             free_slots -= self._new_slots(seq, n)
 
     def _slots_for(self, seq: Sequence, free_slots: int) -> int:

@@ -1,0 +1,49 @@
+"""SamplingParams: vLLM's defaults and shape; unsupported or bad values raise ValueError."""
+
+from __future__ import annotations
+
+import pytest
+
+from sarathi_pp.sampling_params import SamplingParams
+
+
+def test_vllm_defaults():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens) == (1, 1.0, 1.0, 0, 16)
+    assert p.seed is None and p.stop == () and p.stop_token_ids == () and not p.is_greedy
+    assert SamplingParams(temperature=0.0).is_greedy
+
+
+def test_normalisation():
+    p = SamplingParams(stop="###", stop_token_ids=[2, 3], top_k=-1)
+    assert p.stop == ("###",) and p.stop_token_ids == (2, 3) and p.top_k == 0
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    hash(p)  # immutable and hashable after normalisation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(max_tokens=0), "max_tokens.*0"),
+        (dict(max_tokens=-3), "max_tokens.*-3"),
+        (dict(max_tokens=2.5), "max_tokens.*2.5"),
+        (dict(temperature=-0.1), "temperature.*-0.1"),
+        (dict(top_p=0.0), r"top_p.*\(0, 1\].*0.0"),
+        (dict(top_p=1.5), "top_p.*1.5"),
+        (dict(top_k=-2), "top_k.*-2"),
+        (dict(n=2), "n=2"),
+        (dict(logprobs=1), "logprobs=1"),
+        (dict(use_beam_search=True), "beam search"),
+        (dict(seed="x"), "seed.*'x'"),
+        (dict(stop=[""]), "stop strings"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids.*-1"),
+    ],
+)
+def test_bad_values_raise_value_error_naming_them(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_boundary_values_are_accepted():
+    SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=5, seed=0)
+    SamplingParams(top_p=1e-6, logprobs=None, n=1)
