@@ -37,20 +37,28 @@ class SarathiScheduler(Scheduler):
                 budget -= 1
         return budget
 
-    def _take_prefills(self, selection: Selection, picked: set[int], budget: int, now: float) -> None:
-        """Prefill chunks sized by the budget and the free blocks; blocks are taken later,
-        after tile trimming, by ``_reserve_prefills``."""
+    def _take_prefills(
+        self, selection: Selection, picked: set[int], budget: int, now: float
+    ) -> None:
+        """Prefill chunks sized by the budget and the free blocks; blocks of a prefill in
+        progress are taken later, after tile trimming, by ``_reserve_prefills``."""
         free_slots = self.block_manager.num_free_blocks * self.block_manager.block_size
         for seq in self._partial_prefills() + self._arrived_waiting(now):
             if budget == 0:
                 break
-            if seq in self.waiting and not self._can_admit():
-                break
+            if seq in self.waiting:
+                # Admit only a prompt whose every block is free, and reserve them all now
+                # (as Sarathi-Serve): a prompt admitted on a few free blocks would force
+                # preemptions later. FCFS: nobody overtakes a prompt that does not fit.
+                whole = self._new_slots(seq, seq.num_pending_tokens)
+                if not self._can_admit() or whole > free_slots:
+                    break
+                self._admit(seq, now)
+                self.block_manager.grow(seq, seq.num_tokens)
+                free_slots -= whole
             n = min(seq.num_pending_tokens, budget, self._slots_for(seq, free_slots))
             if n <= 0:
-                break  # FCFS: nobody overtakes a prompt that does not fit
-            if seq in self.waiting:
-                self._admit(seq, now)
+                break
             selection.append((seq, n))
             picked.add(seq.seq_id)
             budget -= n
