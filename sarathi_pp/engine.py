@@ -80,15 +80,19 @@ class LLMEngine:
             config.scheduler.max_num_seqs,
         )
         self.executor.init_kv_cache(self.num_kv_blocks, self.block_size)
+        self.max_inflight = config.parallel.microbatches_in_flight
         self.scheduler = create_scheduler(
-            config.scheduler, self.num_kv_blocks, self.block_size, self.max_model_len
+            config.scheduler,
+            self.num_kv_blocks,
+            self.block_size,
+            self.max_model_len,
+            self.max_inflight,
         )
         self.resolved_config = config.replace(
             max_model_len=self.max_model_len, block_size=self.block_size
         )
         if self.run_dir is not None:
             write_config(self.run_dir, self.resolved_config)
-        self.max_inflight = config.parallel.microbatches_in_flight
         self._inflight: deque[MicroBatchPlan] = deque()
         self._seq_ids = itertools.count()
         self._requests: dict[str, Sequence] = {}

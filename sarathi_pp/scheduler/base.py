@@ -28,10 +28,16 @@ Selection = list[tuple[Sequence, int]]  # (sequence, number of tokens to issue)
 
 class Scheduler(ABC):
     def __init__(
-        self, config: SchedulerConfig, num_blocks: int, block_size: int, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        num_microbatches_in_flight: int = 1,
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        self.num_microbatches_in_flight = num_microbatches_in_flight
         self.block_manager = BlockManager(num_blocks, block_size)
         self.waiting: deque[Sequence] = deque()  # FCFS; preempted sequences go to the front
         self.running: list[Sequence] = []  # admitted, oldest admission first
@@ -112,6 +118,12 @@ class Scheduler(ABC):
         """Running sequences ready for one decode token, least recently scheduled first."""
         ready = [s for s in self.running if s.is_decode]
         return sorted(ready, key=lambda s: (s.last_scheduled_step, s.admit_order))
+
+    def _decode_share(self) -> int:
+        """Most decodes one micro-batch takes: its share of the running sequences, so that
+        the micro-batches in flight are alike instead of the first one holding every decode
+        and the ones behind it none (the same rule for every policy)."""
+        return max(1, -(-len(self.running) // self.num_microbatches_in_flight))
 
     def _partial_prefills(self) -> list[Sequence]:
         """Admitted sequences whose prompt (or recompute) is not fully issued yet."""

@@ -9,6 +9,6 @@ from sarathi_pp.scheduler.vllm import VLLMScheduler
 
 class OrcaScheduler(VLLMScheduler):
     def _select(self, now: float) -> Selection:
-        decodes = self._take_all_decodes(limit=self.config.max_num_seqs)
+        decodes = self._take_all_decodes(limit=self._decode_share())
         prompts = self._take_whole_prompts(now, self._token_cap())
         return prompts + decodes

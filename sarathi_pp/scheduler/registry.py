@@ -22,7 +22,11 @@ def scheduler_names() -> list[str]:
 
 
 def create_scheduler(
-    config: SchedulerConfig, num_blocks: int, block_size: int, max_model_len: int
+    config: SchedulerConfig,
+    num_blocks: int,
+    block_size: int,
+    max_model_len: int,
+    num_microbatches_in_flight: int = 1,
 ) -> Scheduler:
     if config.policy not in _POLICIES:
         raise ValueError(
@@ -30,4 +34,10 @@ def create_scheduler(
         )
     module, _, name = _POLICIES[config.policy].partition(":")
     cls = getattr(importlib.import_module(module), name)
-    return cls(config, num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len)
+    return cls(
+        config,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        num_microbatches_in_flight=num_microbatches_in_flight,
+    )

@@ -17,15 +17,17 @@ class SarathiScheduler(Scheduler):
         budget = self.config.chunk_size
         selection: Selection = []
         picked: set[int] = set()
-        budget = self._take_decodes(selection, picked, budget)
+        budget -= self._take_decodes(selection, picked, min(budget, self._decode_share()))
         self._take_prefills(selection, picked, budget, now)
         if self.config.tile_align:
             selection = self._trim_to_tile(selection)
         return self._reserve_prefills(selection)
 
-    def _take_decodes(self, selection: Selection, picked: set[int], budget: int) -> int:
+    def _take_decodes(self, selection: Selection, picked: set[int], limit: int) -> int:
+        """Up to ``limit`` ready decodes, least recently scheduled first; returns how many."""
+        taken = 0
         for seq in self._decode_candidates():
-            if budget == 0:
+            if taken == limit:
                 break
             if seq.is_finished or seq not in self.running:
                 continue  # preempted while reserving for an earlier decode
@@ -34,8 +36,8 @@ class SarathiScheduler(Scheduler):
             if self._reserve(seq, 1, picked):
                 picked.add(seq.seq_id)
                 selection.append((seq, 1))
-                budget -= 1
-        return budget
+                taken += 1
+        return taken
 
     def _take_prefills(
         self, selection: Selection, picked: set[int], budget: int, now: float

@@ -25,7 +25,7 @@ class SimpleChunkingScheduler(SarathiScheduler):
 
     def _decodes(self, now: float) -> Selection:
         selection: Selection = []
-        self._take_decodes(selection, set(), self.config.chunk_size)
+        self._take_decodes(selection, set(), min(self.config.chunk_size, self._decode_share()))
         return selection
 
     def _prefills(self, now: float) -> Selection:

@@ -16,7 +16,7 @@ class VLLMScheduler(Scheduler):
         selection = self._take_whole_prompts(now, self._token_cap())
         if selection:
             return selection
-        return self._take_all_decodes(limit=self.config.max_num_seqs)
+        return self._take_all_decodes(limit=self._decode_share())
 
     def _token_cap(self) -> int:
         return self.config.max_num_batched_tokens or self.max_model_len

@@ -84,9 +84,11 @@ def make_requests(num: int, seed: int, max_prompt: int = 40, max_out: int = 12) 
     return reqs
 
 
-def make_scheduler(policy: str, num_blocks: int = 64, block_size: int = 4, **kw) -> Scheduler:
+def make_scheduler(
+    policy: str, num_blocks: int = 64, block_size: int = 4, num_inflight: int = 1, **kw
+) -> Scheduler:
     return create_scheduler(
-        SchedulerConfig(policy=policy, **kw), num_blocks, block_size, MAX_MODEL_LEN
+        SchedulerConfig(policy=policy, **kw), num_blocks, block_size, MAX_MODEL_LEN, num_inflight
     )
 
 
@@ -118,6 +120,7 @@ class Checker:
     def before(self) -> None:
         self.ready_decodes = {s.seq_id for s in self.sched.running if s.is_decode}
         self.known = {s.seq_id: s.num_tokens for s in self.sched.seqs.values()}
+        self.decode_share = self.sched._decode_share()  # this plan's share of the decodes
 
     def check(self, plan: MicroBatchPlan, inflight: deque[MicroBatchPlan], now: float) -> None:
         cfg, sched = self.cfg, self.sched
@@ -170,8 +173,10 @@ class Checker:
 
     def _check_decodes_first(self, plan: MicroBatchPlan) -> None:
         """A ready decode may be left out of a plan with prefill rows only when the budget
-        was full, or when it had no KV block (then it was preempted or had no victim)."""
-        if plan.num_prefill_tokens and plan.num_decode_tokens < self.cfg.chunk_size:
+        or the plan's share of the decodes was full, or when it had no KV block (then it was
+        preempted or had no victim)."""
+        limit = min(self.cfg.chunk_size, self.decode_share)
+        if plan.num_prefill_tokens and plan.num_decode_tokens < limit:
             assert not self._decodes_could_run(plan), f"a ready decode left out of {plan}"
 
     def _check_contiguous(self, seq: Sequence, seq_id: int, start: int, end: int) -> None:
@@ -256,7 +261,7 @@ CONFIGS = {
 @pytest.mark.parametrize("policy", POLICIES)
 def test_simulation_matches_unbatched_reference(policy, config_name, num_inflight):
     kw, num_blocks, block_size, expect_preemption = CONFIGS[config_name]
-    sched = make_scheduler(policy, num_blocks, block_size, **kw)
+    sched = make_scheduler(policy, num_blocks, block_size, num_inflight, **kw)
     seed = list(CONFIGS).index(config_name)
     # Under a small cache: short prompts, long outputs, so that growing decodes collide.
     sizes = dict(max_prompt=24, max_out=24) if expect_preemption else {}
@@ -282,7 +287,7 @@ def test_many_seeds_small_cache_pipelined(policy):
     """More random workloads through the tightest config, K=3 (the preemption paths)."""
     for seed in range(6):
         sched = make_scheduler(
-            policy, 15, 4, chunk_size=8 + seed, tile_align=bool(seed % 2), tile_size=4
+            policy, 15, 4, 3, chunk_size=8 + seed, tile_align=bool(seed % 2), tile_size=4
         )
         reqs = make_requests(10, seed=100 + seed)
         result = simulate(sched, reqs, num_inflight=3)
@@ -577,3 +582,17 @@ def test_vllm_newest_decode_without_block_is_preempted_not_left_holding():
     assert [c.seq_id for c in plan.chunks] == [0]
     assert s1.status is SequenceStatus.WAITING and s1.block_table == []
     assert s0.metrics.num_preemptions == 0 and sched.block_manager.num_free_blocks == 1
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_decodes_spread_over_the_microbatches_in_flight(policy):
+    """With K plans in flight, a plan takes at most ceil(running / K) decodes, so the K
+    micro-batches stay alike instead of the first holding every decode."""
+    k = 3
+    sched = make_scheduler(policy, 512, 4, k, chunk_size=64, tile_align=False)
+    reqs = [Request(i, list(range(1, 9)), 20) for i in range(12)]
+    result = simulate(sched, reqs, num_inflight=k)
+    decodes = [p.num_decode_tokens for p in result.plans]
+    assert max(decodes) <= -(-12 // k)
+    # ...and in steady state (all 12 decoding) each plan carries about a third of them.
+    assert decodes.count(4) >= 20, decodes
