@@ -1,0 +1,39 @@
+# sarathi-pp developer tasks: make venv | demo | test | lint
+#
+# TORCH is the one setting: the torch requirement installed *before* the project, so the
+# project's own "torch>=2.4" is already met and pip never swaps in another build. The
+# default resolves to the CPU wheel where one is on the pip path; on a stock PyPI it is the
+# CUDA build. Pick explicitly, e.g.
+#   make test TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+#   make test TORCH="torch --index-url https://download.pytorch.org/whl/cu124"
+# pip keeps an installed torch that already satisfies TORCH: to switch builds, rm -rf .venv.
+TORCH ?= torch==2.13.0
+
+VENV := .venv
+PY := $(VENV)/bin/python
+# Reinstall when the project's dependencies change.
+STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
+
+.PHONY: venv demo test lint
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install $(TORCH)
+	$(PY) -m pip install -e ".[test]"
+	touch $@
+
+$(DEV_STAMP): $(STAMP)
+	$(PY) -m pip install -e ".[test,dev]"
+	touch $@
+
+demo: venv
+	$(VENV)/bin/sarathi-pp generate --config configs/tiny-llama.yaml --prompt "Hello" --max-tokens 32
+
+test: venv
+	$(PY) -m pytest -q
+
+lint: $(DEV_STAMP)
+	$(VENV)/bin/ruff check .

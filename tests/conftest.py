@@ -1,0 +1,61 @@
+"""Session-wide fixtures: tiny random HF model folders, each built once per test session.
+
+``tiny_model(name)`` builds a variant of ``helpers.VARIANTS`` on first request; the named
+fixtures below are shorthands. ``any_model_dir`` runs a test once per variant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers import VARIANTS, build_variant
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build_variant(name, root)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_model: Callable[[str], Path]) -> Path:
+    """Llama, GQA (4 heads, 2 KV heads), untied embeddings."""
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def llama3_rope_dir(tiny_model: Callable[[str], Path]) -> Path:
+    """Llama with 3 layers and llama3 rope scaling (original_max_position_embeddings=128)."""
+    return tiny_model("llama3-rope")
+
+
+@pytest.fixture(scope="session")
+def mistral_dir(tiny_model: Callable[[str], Path]) -> Path:
+    """Mistral without a sliding window."""
+    return tiny_model("mistral")
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tiny_model: Callable[[str], Path]) -> Path:
+    """Qwen2: qkv bias, tied embeddings."""
+    return tiny_model("qwen2")
+
+
+@pytest.fixture(scope="session")
+def llama_sharded_dir(tiny_model: Callable[[str], Path]) -> Path:
+    """The ``llama`` weights saved as several safetensors shards with an index json."""
+    return tiny_model("llama-sharded")
+
+
+@pytest.fixture(scope="session", params=list(VARIANTS))
+def any_model_dir(request: pytest.FixtureRequest, tiny_model: Callable[[str], Path]) -> Path:
+    return tiny_model(request.param)
