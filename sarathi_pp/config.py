@@ -20,6 +20,7 @@ import yaml
 GiB = 1 << 30
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+EXECUTORS = ("auto", "uniproc", "ray", "torchrun")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -117,10 +118,29 @@ class ParallelConfig:
     """Number of pipeline stages."""
     num_microbatches_in_flight: int | None = None
     """Plans outstanding at once; ``None`` = ``pipeline_parallel_size``."""
+    executor: str = "auto"
+    """``uniproc`` (one process), ``ray`` (one actor per stage) or ``torchrun`` (set by the
+    torchrun launcher); ``auto`` = ``uniproc`` for one stage, else ``ray``."""
+    num_threads_per_stage: int | None = None
+    """CPU threads of each stage process; ``None`` = max(1, usable cores // stages)."""
+    stage_timeout_s: float = 300.0
+    """How long to wait for a stage (a micro-batch's result or its input) before failing
+    with an error that names the stage."""
 
     def __post_init__(self) -> None:
         _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         _check_opt_int("num_microbatches_in_flight", self.num_microbatches_in_flight, 1)
+        _check_opt_int("num_threads_per_stage", self.num_threads_per_stage, 1)
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if isinstance(self.stage_timeout_s, bool) or not isinstance(self.stage_timeout_s, (int, float)) or self.stage_timeout_s <= 0:
+            raise ValueError(f"stage_timeout_s must be a number > 0, got {self.stage_timeout_s!r}")
+
+    @property
+    def executor_name(self) -> str:
+        if self.executor != "auto":
+            return self.executor
+        return "uniproc" if self.pipeline_parallel_size == 1 else "ray"
 
     @property
     def microbatches_in_flight(self) -> int:
@@ -180,6 +200,9 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
     "num_microbatches_in_flight": ("parallel", "num_microbatches_in_flight"),
+    "executor": ("parallel", "executor"),
+    "num_threads_per_stage": ("parallel", "num_threads_per_stage"),
+    "stage_timeout_s": ("parallel", "stage_timeout_s"),
     "run_dir": ("run", "run_dir"),
     "overwrite": ("run", "overwrite"),
 }

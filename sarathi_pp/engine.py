@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sarathi_pp.config import EngineConfig
-from sarathi_pp.executor import Executor, StepResult, create_executor
+from sarathi_pp.executor import Executor, StageError, StepResult, create_executor
 from sarathi_pp.memory import num_kv_blocks
 from sarathi_pp.model_path import resolve_model_path
 from sarathi_pp.model_spec import ModelSpec, load_model_spec
@@ -54,7 +54,7 @@ def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor: str = "uniproc") -> None:
+    def __init__(self, config: EngineConfig, executor: str | None = None) -> None:
         self.run_dir = None
         if config.run.run_dir is not None:  # refuse a used run dir before any work
             self.run_dir = prepare_run_dir(config.run.run_dir, config.run.overwrite)
@@ -67,9 +67,31 @@ class LLMEngine:
             raise FileNotFoundError(f"tokenizer folder {tok_dir!r} has no tokenizer files")
         self.tokenizer = load_tokenizer(tok_dir) if has_tokenizer(tok_dir) else None
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        num_stages = config.parallel.pipeline_parallel_size
+        if num_stages > self.spec.num_layers:
+            raise ValueError(
+                f"pipeline_parallel_size={num_stages} exceeds the model's "
+                f"{self.spec.num_layers} layers: every stage needs at least one"
+            )
         self.executor: Executor = create_executor(
-            executor, config, self.spec, self.model_dir, self.max_model_len
+            executor or config.parallel.executor_name,
+            config,
+            self.spec,
+            self.model_dir,
+            self.max_model_len,
         )
+        try:
+            self._init_cache_and_scheduler(config)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self._inflight: deque[MicroBatchPlan] = deque()
+        self._seq_ids = itertools.count()
+        self._requests: dict[str, Sequence] = {}
+        self._text: dict[int, _TextState] = {}
+        self.eos_token_ids = self._eos_ids()
+
+    def _init_cache_and_scheduler(self, config: EngineConfig) -> None:
         self.stage_memory = self.executor.load_model()
         self.block_size = config.cache.block_size or self.executor.preferred_block_size()
         self.num_kv_blocks = num_kv_blocks(
@@ -93,11 +115,6 @@ class LLMEngine:
         )
         if self.run_dir is not None:
             write_config(self.run_dir, self.resolved_config)
-        self._inflight: deque[MicroBatchPlan] = deque()
-        self._seq_ids = itertools.count()
-        self._requests: dict[str, Sequence] = {}
-        self._text: dict[int, _TextState] = {}
-        self.eos_token_ids = self._eos_ids()
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.spec.eos_token_ids)
@@ -191,7 +208,11 @@ class LLMEngine:
             self._inflight.append(plan)
         if not self._inflight:
             return []
-        plan, result = self.executor.wait_oldest()
+        try:
+            plan, result = self.executor.wait_oldest()
+        except StageError:
+            self.shutdown()  # the pipeline is broken: release the stages, then report
+            raise
         expected = self._inflight.popleft()
         assert plan.microbatch_id == expected.microbatch_id, (plan, expected)
         return self._apply(plan, result)

@@ -20,6 +20,14 @@ if TYPE_CHECKING:
     from sarathi_pp.plan import MicroBatchPlan
 
 
+class StageError(RuntimeError):
+    """A pipeline stage died, failed or timed out; the message names the stage."""
+
+    def __init__(self, stage_idx: int, message: str) -> None:
+        super().__init__(f"pipeline stage {stage_idx}: {message}")
+        self.stage_idx = stage_idx
+
+
 @dataclass
 class StepResult:
     sampled: dict[int, int] = field(default_factory=dict)  # seq_id -> token id
@@ -37,6 +45,8 @@ class Executor(Protocol):
 
 _EXECUTORS = {
     "uniproc": "sarathi_pp.stages.executor:UniprocExecutor",
+    "ray": "sarathi_pp.launch.ray_executor:RayExecutor",
+    "torchrun": "sarathi_pp.launch.torchrun:TorchrunExecutor",
 }
 
 

@@ -17,20 +17,9 @@ from sarathi_pp.model_spec import ModelSpec
 from sarathi_pp.plan import MicroBatchPlan
 from sarathi_pp.stages.attention import preferred_block_size
 from sarathi_pp.stages.device import resolve_device, resolve_dtype
-from sarathi_pp.stages.runner import StageSpec, StageWorker
-from sarathi_pp.stages.sampler import INVALID_TOKEN
+from sarathi_pp.stages.runner import StageSpec, StageWorker, to_step_result
 
 logger = logging.getLogger(__name__)
-
-
-def stage_memory(worker: StageWorker, param_bytes: int, config: EngineConfig) -> StageMemory:
-    device_bytes = worker.device_memory()
-    if device_bytes is None:
-        budget = config.cache.cpu_memory_budget
-    else:
-        budget = int(device_bytes * config.cache.gpu_memory_utilization)
-    m_kv = worker.spec.kv_bytes_per_token(worker.stage.layer_end - worker.stage.layer_start, worker.stage.dtype)
-    return StageMemory(worker.stage.stage_idx, param_bytes, m_kv, budget)
 
 
 class UniprocExecutor:
@@ -43,7 +32,7 @@ class UniprocExecutor:
         self._done: deque[tuple[MicroBatchPlan, StepResult]] = deque()
 
     def load_model(self) -> list[StageMemory]:
-        return [stage_memory(self.worker, self.worker.load_model(), self.config)]
+        return [self.worker.memory(self.worker.load_model(), self.config.cache)]
 
     def preferred_block_size(self) -> int:
         return preferred_block_size(self.worker.device)
@@ -62,7 +51,7 @@ class UniprocExecutor:
 
     def _run(self, plan: MicroBatchPlan) -> StepResult:
         try:
-            return _checked(self.worker.execute(plan))
+            return to_step_result(self.worker.execute(plan))
         except Exception as e:  # noqa: BLE001 - isolate the request(s) that fail
             if len(plan.chunks) == 1:
                 seq_id = plan.chunks[0].seq_id
@@ -75,12 +64,3 @@ class UniprocExecutor:
             result.errors.update(solo.errors)
         return result
 
-
-def _checked(sampled: dict[int, int]) -> StepResult:
-    result = StepResult()
-    for seq_id, token in sampled.items():
-        if token == INVALID_TOKEN:
-            result.errors[seq_id] = "the model produced non-finite logits"
-        else:
-            result.sampled[seq_id] = token
-    return result

@@ -12,12 +12,15 @@ from pathlib import Path
 
 import torch
 
+from sarathi_pp.config import CacheConfig
+from sarathi_pp.executor import StepResult
+from sarathi_pp.memory import StageMemory
 from sarathi_pp.model_spec import ModelSpec
 from sarathi_pp.plan import MicroBatchPlan
 from sarathi_pp.stages.attention import AttentionMetadata, PrefillSlice, select_backend
 from sarathi_pp.stages.kv_cache import KVCache
 from sarathi_pp.stages.model import StageModel
-from sarathi_pp.stages.sampler import sample
+from sarathi_pp.stages.sampler import INVALID_TOKEN, sample
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -143,11 +146,17 @@ class StageWorker:
         )
         return self.model.param_bytes()
 
-    def device_memory(self) -> int | None:
-        """Total memory of this stage's CUDA device (None on CPU)."""
-        if self.device.type != "cuda":
-            return None
-        return torch.cuda.get_device_properties(self.device).total_memory
+    def memory(self, param_bytes: int, cache: CacheConfig) -> StageMemory:
+        """This stage's M_S, m_kv and M_G (CPU: the configured budget; CUDA: the device's
+        memory x ``gpu_memory_utilization``)."""
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = int(total * cache.gpu_memory_utilization)
+        else:
+            budget = cache.cpu_memory_budget
+        s = self.stage
+        m_kv = self.spec.kv_bytes_per_token(s.layer_end - s.layer_start, s.dtype)
+        return StageMemory(s.stage_idx, param_bytes, m_kv, budget)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         assert self.model is not None
@@ -195,3 +204,14 @@ class StageWorker:
         params = [c.sampling_params for c in chunks]
         tokens = sample(logits, params, [c.num_output_tokens for c in chunks])
         return {c.seq_id: t for c, t in zip(chunks, tokens)}
+
+
+def to_step_result(sampled: dict[int, int]) -> StepResult:
+    """Split the last stage's tokens into samples and per-request failures."""
+    result = StepResult()
+    for seq_id, token in sampled.items():
+        if token == INVALID_TOKEN:
+            result.errors[seq_id] = "the model produced non-finite logits"
+        else:
+            result.sampled[seq_id] = token
+    return result

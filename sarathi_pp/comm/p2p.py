@@ -1,0 +1,302 @@
+"""Point-to-point transport of a micro-batch's hidden states between neighbouring stages.
+
+Wire format, stage s -> s+1, one pair of messages per micro-batch, matched in posting order
+(every stage runs its plans in issue order, so both ends post them in the same order):
+  1. header  int64 [4] = [microbatch_id, num_tokens, hidden_size, dtype_code]
+  2. payload hidden [num_tokens, hidden_size] (not sent when it has no elements)
+The receiver checks the header against what its own plan says before it takes the payload.
+
+Note [send completion]: sends are ``dist.isend``; the stage goes on computing while they
+drain. A send's tensors must stay alive until it completes, so each one is kept with its
+``Work`` handle. On NCCL, ``Work.is_completed()`` tells when a send finished and completed
+ones are dropped at the next ``send``. On gloo it stays False until ``wait()`` is called
+(verified on torch 2.13), so the handles are kept until more than ``max_pending_sends`` are
+outstanding and then the oldest is waited for. Stage s+1 has received micro-batch j before
+stage s computes j + (number in flight), so with ``max_pending_sends`` >= micro-batches in
+flight that wait returns at once; if stage s+1 does lag further behind, it is backpressure,
+never a deadlock (the last stage sends nothing, so no wait cycle can form).
+
+Note [timeouts]: every wait is ``Work.wait(timeout=...)``. On gloo a receive with no
+matching send raises RuntimeError("... Timed out waiting 2000ms for recv operation to
+complete") after the timeout, and gloo then closes the connection to that peer: any later
+operation with it fails ("Application timeout caused pair closure"). A timeout is therefore
+fatal for the pipeline, and a short ``wait`` must never be used to poll. On NCCL a wait with
+a timeout blocks the CPU until completion or the timeout (not testable without 2 GPUs).
+
+Not thread-safe: one stage calls ``send``/``recv`` from one thread, in plan order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+HEADER_LEN = 4  # microbatch_id, num_tokens, hidden_size, dtype_code
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float64: 3,
+}
+_CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+class StageCommError(RuntimeError):
+    """A stage's send or receive failed; the message names the stage and the micro-batch."""
+
+
+class StageTimeoutError(StageCommError, TimeoutError):
+    """A send or receive waited longer than the transport's ``timeout_s``."""
+
+
+class StageMismatchError(StageCommError):
+    """What arrived (micro-batch id, shape or dtype) is not what the receiver's plan says."""
+
+
+@dataclass(slots=True)
+class _PendingSend:
+    microbatch_id: int
+    works: tuple[Any, ...]  # dist.Work of the header, then of the payload
+    tensors: tuple[torch.Tensor, ...]  # alive until the works complete (Note [send completion])
+
+
+def _dtype_name(code: int) -> str:
+    dtype = _CODE_DTYPES.get(code)
+    return f"<unknown dtype code {code}>" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _describe(header: list[int]) -> str:
+    microbatch_id, num_tokens, hidden_size, code = header
+    return f"micro-batch {microbatch_id} hidden [{num_tokens}, {hidden_size}] {_dtype_name(code)}"
+
+
+class StageTransport:
+    """Sends hidden states to stage ``stage_idx + 1`` and receives them from ``stage_idx - 1``.
+
+    ``group`` is the stages' process group (default: the default group); the stage's rank
+    in it must be ``stage_idx``. Tensors (the header included, as NCCL needs) live on
+    ``device``.
+    """
+
+    def __init__(
+        self,
+        stage_idx: int,
+        num_stages: int,
+        device: str | torch.device,
+        timeout_s: float,
+        group: Any = None,
+        max_pending_sends: int | None = None,
+    ) -> None:
+        if num_stages < 1 or not 0 <= stage_idx < num_stages:
+            raise ValueError(f"stage_idx {stage_idx} is not in [0, num_stages={num_stages})")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.stage_idx = stage_idx
+        self.num_stages = num_stages
+        self.device = torch.device(device)
+        self.timeout_s = float(timeout_s)
+        self.group = group
+        self.max_pending_sends = max_pending_sends or max(4, 2 * num_stages)
+        if self.max_pending_sends < 1:
+            raise ValueError(f"max_pending_sends must be >= 1, got {self.max_pending_sends}")
+        self._pending: deque[_PendingSend] = deque()
+        if num_stages > 1:
+            self._check_group()
+        self._prev_rank = self._global_rank(stage_idx - 1) if stage_idx > 0 else None
+        self._next_rank = self._global_rank(stage_idx + 1) if stage_idx < num_stages - 1 else None
+
+    def __repr__(self) -> str:
+        return (
+            f"StageTransport(stage {self.stage_idx}/{self.num_stages}, {self.device}, "
+            f"timeout_s={self.timeout_s:g}, pending_sends={len(self._pending)})"
+        )
+
+    @property
+    def num_pending_sends(self) -> int:
+        return len(self._pending)
+
+    # --- sending -----------------------------------------------------------------------------
+    def send(self, microbatch_id: int, hidden: torch.Tensor) -> None:
+        """Start sending ``hidden`` [num_tokens, hidden_size] to the next stage; returns at
+        once. ``hidden`` must not be modified in place until the send completes."""
+        s = self.stage_idx
+        if self._next_rank is None:
+            raise RuntimeError(
+                f"stage {s} is the last of {self.num_stages} stages: it sends nothing"
+            )
+        if hidden.dim() != 2:
+            raise ValueError(
+                f"stage {s}: micro-batch {microbatch_id}: hidden must be [num_tokens, hidden_size], "
+                f"got shape {tuple(hidden.shape)}"
+            )
+        code = self._dtype_code(hidden.dtype)
+        if not self._on_device(hidden):
+            raise ValueError(
+                f"stage {s}: micro-batch {microbatch_id}: hidden is on {hidden.device}, "
+                f"the transport on {self.device}"
+            )
+        self._reap()
+        payload = hidden.detach().contiguous()
+        num_tokens, hidden_size = payload.shape
+        header = torch.tensor(
+            [microbatch_id, num_tokens, hidden_size, code], dtype=torch.int64, device=self.device
+        )
+        try:
+            works = [dist.isend(header, dst=self._next_rank, group=self.group)]
+            if payload.numel():
+                works.append(dist.isend(payload, dst=self._next_rank, group=self.group))
+        except Exception as e:  # noqa: BLE001 - e.g. the connection to the peer is gone
+            raise StageCommError(
+                f"stage {s}: sending micro-batch {microbatch_id} to stage {s + 1} failed: {e}"
+            ) from e
+        self._pending.append(_PendingSend(microbatch_id, tuple(works), (header, payload)))
+        while len(self._pending) > self.max_pending_sends:  # Note [send completion]
+            note = f" ({len(self._pending)} sends outstanding, max_pending_sends={self.max_pending_sends})"
+            self._complete(self._pending.popleft(), self.timeout_s, note)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every outstanding send has completed (before shutdown), at most
+        ``timeout_s`` in all (default: the transport's); raises ``StageTimeoutError`` after."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        try:
+            while self._pending:
+                remaining = max(deadline - time.monotonic(), 1e-3)
+                self._complete(self._pending[0], remaining)
+                self._pending.popleft()
+        except BaseException:
+            self._pending.clear()  # the channel is broken (Note [timeouts]); don't wait again
+            raise
+
+    def _reap(self) -> None:
+        """Drop completed sends from the front (only NCCL reports completion without a wait)."""
+        while self._pending and all(w.is_completed() for w in self._pending[0].works):
+            self._complete(self._pending.popleft(), self.timeout_s)  # surfaces a failed send
+
+    def _complete(self, pending: _PendingSend, timeout_s: float, note: str = "") -> None:
+        for work in pending.works:
+            self._wait(work, pending.microbatch_id, "send", timeout_s, note)
+
+    # --- receiving ---------------------------------------------------------------------------
+    def recv(
+        self, microbatch_id: int, num_tokens: int, hidden_size: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Receive micro-batch ``microbatch_id``'s hidden states [num_tokens, hidden_size]
+        from the previous stage. Raises ``StageMismatchError`` when the sender's header
+        disagrees with these expectations (from the receiver's plan), ``StageTimeoutError``
+        when nothing arrives within ``timeout_s``."""
+        s = self.stage_idx
+        if self._prev_rank is None:
+            raise RuntimeError(f"stage {s} is the first stage: it receives nothing")
+        expected = [microbatch_id, num_tokens, hidden_size, self._dtype_code(dtype)]
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        self._wait(self._irecv(header, microbatch_id), microbatch_id, "recv", self.timeout_s)
+        received = [int(v) for v in header.tolist()]
+        if received != expected:
+            self._mismatch(expected, received)
+        hidden = torch.empty((num_tokens, hidden_size), dtype=dtype, device=self.device)
+        if hidden.numel():
+            self._wait(self._irecv(hidden, microbatch_id), microbatch_id, "recv", self.timeout_s)
+        return hidden
+
+    def _irecv(self, tensor: torch.Tensor, microbatch_id: int) -> Any:
+        try:
+            return dist.irecv(tensor, src=self._prev_rank, group=self.group)
+        except Exception as e:  # noqa: BLE001
+            raise StageCommError(
+                f"stage {self.stage_idx}: receiving micro-batch {microbatch_id} from stage "
+                f"{self.stage_idx - 1} failed: {e}"
+            ) from e
+
+    def _mismatch(self, expected: list[int], received: list[int]) -> None:
+        s = self.stage_idx
+        fields = ("microbatch_id", "num_tokens", "hidden_size", "dtype")
+        differ = [f for f, e, r in zip(fields, expected, received, strict=True) if e != r]
+        drained = self._drain(received)
+        raise StageMismatchError(
+            f"stage {s}: expected {_describe(expected)} from stage {s - 1}, received "
+            f"{_describe(received)} (differs in {', '.join(differ)}); the stages' send/recv "
+            f"order or plans disagree"
+            + ("" if drained else "; the payload could not be drained, the channel is unusable")
+        )
+
+    def _drain(self, header: list[int]) -> bool:
+        """Take the payload the header announced, so the channel stays aligned and the
+        sender's send completes. False when the header is not usable."""
+        _, num_tokens, hidden_size, code = header
+        dtype = _CODE_DTYPES.get(code)
+        if dtype is None or num_tokens < 0 or hidden_size < 0:
+            return False
+        if num_tokens * hidden_size == 0:
+            return True
+        sink = torch.empty((num_tokens, hidden_size), dtype=dtype, device=self.device)
+        try:
+            self._wait(self._irecv(sink, header[0]), header[0], "recv", self.timeout_s)
+        except StageCommError:
+            return False
+        return True
+
+    # --- helpers -----------------------------------------------------------------------------
+    def _wait(
+        self, work: Any, microbatch_id: int, op: str, timeout_s: float, note: str = ""
+    ) -> None:
+        """``work.wait`` with a timeout, turning failures into errors that name the stage,
+        the peer and the micro-batch (Note [timeouts])."""
+        s = self.stage_idx
+        peer = s + 1 if op == "send" else s - 1
+        if op == "send":
+            action = f"for stage {peer} to receive micro-batch {microbatch_id}{note}"
+        else:
+            action = f"to receive micro-batch {microbatch_id} from stage {peer}"
+        start = time.monotonic()
+        try:
+            ok = work.wait(timeout=timedelta(seconds=timeout_s))
+        except Exception as e:  # noqa: BLE001 - gloo: RuntimeError, NCCL: DistBackendError
+            elapsed = time.monotonic() - start
+            if isinstance(e, TimeoutError) or "timed out" in str(e).lower() or elapsed >= timeout_s:
+                raise StageTimeoutError(
+                    self._timeout_message(action, peer, elapsed, timeout_s)
+                ) from e
+            raise StageCommError(f"stage {s}: failed waiting {action}: {e}") from e
+        if ok is False:  # some backends report a timeout by returning False
+            raise StageTimeoutError(
+                self._timeout_message(action, peer, time.monotonic() - start, timeout_s)
+            )
+
+    def _timeout_message(self, action: str, peer: int, elapsed: float, timeout_s: float) -> str:
+        return (
+            f"stage {self.stage_idx}: timed out after {elapsed:.1f}s (timeout {timeout_s:g}s) "
+            f"waiting {action}; stage {peer} is stuck, has failed, or runs its plans in a "
+            f"different order"
+        )
+
+    def _dtype_code(self, dtype: torch.dtype) -> int:
+        if dtype not in DTYPE_CODES:
+            names = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
+            raise ValueError(
+                f"stage {self.stage_idx}: cannot transport {dtype}; supported: {names}"
+            )
+        return DTYPE_CODES[dtype]
+
+    def _on_device(self, t: torch.Tensor) -> bool:
+        d = self.device
+        return t.device.type == d.type and (d.index is None or t.device.index == d.index)
+
+    def _check_group(self) -> None:
+        s = self.stage_idx
+        if not dist.is_initialized():
+            raise RuntimeError(f"stage {s}: no process group; call init_stage_group first")
+        rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        if (rank, size) != (s, self.num_stages):
+            raise ValueError(
+                f"stage {s} of {self.num_stages}: the process group has this process as rank "
+                f"{rank} of {size}; a stage's rank must be its stage_idx"
+            )
+
+    def _global_rank(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)

@@ -1,0 +1,195 @@
+"""Pipeline parallelism on Ray: one actor per stage, placed by a placement group.
+
+Control plane: the driver (the engine, with the scheduler) calls ``run(plan)`` on every
+stage actor for every micro-batch; Ray runs an actor's calls in submission order, so all
+stages see the micro-batches in issue order. Data plane: the actors pass hidden states
+between themselves over ``torch.distributed`` send/recv (gloo on CPU, NCCL on CUDA) in a
+process group this module sets up (master = stage 0's node IP, a free port). Only the last
+stage's sampled tokens come back to the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+
+from sarathi_pp.config import EngineConfig
+from sarathi_pp.executor import StageError, StepResult
+from sarathi_pp.memory import StageMemory
+from sarathi_pp.model_spec import ModelSpec
+from sarathi_pp.plan import MicroBatchPlan
+from sarathi_pp.stages.partition import format_partition, partition_layers
+from sarathi_pp.stages.runner import StageSpec
+
+logger = logging.getLogger(__name__)
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as e:  # pragma: no cover - ray is a declared dependency
+        raise ImportError("pipeline parallelism on Ray needs ray: pip install 'sarathi-pp[dist]'") from e
+    return ray
+
+
+def _start_ray(ray) -> bool:
+    """Connect to ``RAY_ADDRESS`` if set, else start a local Ray for this run; returns
+    whether this process started (and so must stop) it."""
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    # working_dir-less runtime env: the stage actors import sarathi_pp from the same install.
+    ray.init(address=address or None, include_dashboard=False, log_to_driver=True,
+             logging_level=logging.WARNING)
+    return True
+
+
+def _resolve_device(ray, config: EngineConfig, num_stages: int) -> str:
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    device = config.model.device
+    if device == "auto":
+        device = "cuda" if gpus >= num_stages else "cpu"
+    if device == "cuda" and gpus < num_stages:
+        raise ValueError(
+            f"pipeline_parallel_size={num_stages} needs {num_stages} GPUs, the Ray cluster has {gpus}"
+        )
+    return device
+
+
+class RayExecutor:
+    def __init__(self, config: EngineConfig, spec: ModelSpec, model_dir: str, max_model_len: int) -> None:
+        ray = self._ray = _ray()
+        p = config.parallel
+        self.num_stages = p.pipeline_parallel_size
+        ranges = partition_layers(spec, self.num_stages)  # ValueError before Ray starts
+        self._started_ray = _start_ray(ray)
+        self.timeout_s = p.stage_timeout_s
+        self._inflight: deque[tuple[MicroBatchPlan, list]] = deque()
+        self.actors: list = []
+        self._pg = None
+        try:
+            device = _resolve_device(ray, config, self.num_stages)
+            dtype = config.model.dtype
+            if dtype == "auto":
+                dtype = "bfloat16" if device == "cuda" else "float32"
+            logger.info("stages:\n%s", format_partition(spec, ranges))
+            self._create_actors(config, spec, model_dir, max_model_len, ranges, device, dtype)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _create_actors(self, config, spec, model_dir, max_model_len, ranges, device, dtype) -> None:
+        ray = self._ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from sarathi_pp.stages.pipeline_stage import PipelineStage
+
+        n = self.num_stages
+        # Fractional CPUs so that more stages than cores still start (2-core CI, PP=4).
+        cpus = min(1.0, float(ray.cluster_resources().get("CPU", 1)) / n)
+        bundle = {"CPU": cpus, "GPU": 1} if device == "cuda" else {"CPU": cpus}
+        self._pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+        ray.get(self._pg.ready(), timeout=self.timeout_s)
+        actor_cls = ray.remote(PipelineStage)
+        p = config.parallel
+        for i, (start, end) in enumerate(ranges):
+            stage = StageSpec(i, n, start, end, dtype, device)
+            strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)
+            self.actors.append(
+                actor_cls.options(
+                    num_cpus=cpus, num_gpus=1 if device == "cuda" else 0,
+                    scheduling_strategy=strategy, name=None,
+                ).remote(stage, spec, model_dir, max_model_len, p, config.cache)
+            )
+        addr, port = self._get([self.actors[0].address.remote()], "rendezvous")[0]
+        self._get([a.init_group.remote(addr, port) for a in self.actors], "process group set-up")
+
+    def _get(self, refs: list, what: str) -> list:
+        """``ray.get`` with the stage timeout; a dead or failed actor names its stage."""
+        ray = self._ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        out = []
+        for i, ref in enumerate(refs):
+            stage_idx = i if len(refs) == self.num_stages else 0
+            try:
+                out.append(ray.get(ref, timeout=self.timeout_s))
+            except GetTimeoutError:
+                raise StageError(stage_idx, f"{what}: no answer within {self.timeout_s:g} s") from None
+            except RayActorError as e:
+                raise StageError(stage_idx, f"{what}: the stage actor died ({e.__class__.__name__})") from e
+            except RayTaskError as e:
+                raise StageError(stage_idx, f"{what} failed: {e.cause!r}") from e
+        return out
+
+    # --- Executor --------------------------------------------------------------------------------
+    def load_model(self) -> list[StageMemory]:
+        return self._get([a.load_model.remote() for a in self.actors], "loading weights")
+
+    def preferred_block_size(self) -> int:
+        return self._get([self.actors[0].preferred_block_size.remote()], "block size")[0]
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self._get([a.init_kv_cache.remote(num_blocks, block_size) for a in self.actors], "KV cache")
+
+    def submit(self, plan: MicroBatchPlan) -> None:
+        self._inflight.append((plan, [a.run.remote(plan) for a in self.actors]))
+
+    def wait_oldest(self) -> tuple[MicroBatchPlan, StepResult]:
+        plan, refs = self._inflight.popleft()
+        results = self._wait_stages(plan, refs)
+        return plan, results[-1]
+
+    def _wait_stages(self, plan: MicroBatchPlan, refs: list) -> list:
+        """All stages' results for ``plan``. A stage that fails or dies is reported as soon
+        as its result is ready, not after the others time out waiting for it."""
+        ray = self._ray
+        index = {ref: i for i, ref in enumerate(refs)}
+        remaining = list(refs)
+        deadline = time.monotonic() + self.timeout_s
+        while remaining:
+            ready, remaining = ray.wait(
+                remaining, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+            )
+            if not ready:
+                late = min(index[r] for r in remaining)
+                raise StageError(
+                    late, f"micro-batch {plan.microbatch_id}: no result within {self.timeout_s:g} s"
+                )
+            for ref in ready:
+                self._get_one(index[ref], ref, plan)
+        return [self._ray.get(ref) for ref in refs]
+
+    def _get_one(self, stage_idx: int, ref, plan: MicroBatchPlan):
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            return self._ray.get(ref)
+        except RayActorError as e:
+            raise StageError(stage_idx, f"micro-batch {plan.microbatch_id}: the stage actor died") from e
+        except RayTaskError as e:
+            raise StageError(stage_idx, f"micro-batch {plan.microbatch_id} failed: {e.cause!r}") from e
+
+    def shutdown(self) -> None:
+        ray = self._ray
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        self.actors = []
+        self._inflight.clear()
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._pg)
+            except Exception:  # noqa: BLE001
+                pass
+            self._pg = None
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+            self._started_ray = False

@@ -1,0 +1,110 @@
+"""One pipeline stage as a process: its ``StageWorker`` plus the transport to its neighbours.
+
+The same class runs inside a Ray actor (``launch/ray_executor.py``) and inside a torchrun
+rank (``launch/torchrun.py``). ``run(plan)`` is called for every micro-batch in the order the
+scheduler issued them: stage s > 0 receives the micro-batch's hidden states from stage s-1,
+runs its layers (writing its KV blocks), and sends the result on; the last stage returns the
+sampled tokens. Activations never pass through the control plane.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from sarathi_pp.comm.dist_setup import destroy_stage_group, free_port, init_stage_group, node_ip, pick_backend
+from sarathi_pp.comm.p2p import StageTransport
+from sarathi_pp.config import CacheConfig, ParallelConfig
+from sarathi_pp.executor import StepResult
+from sarathi_pp.memory import StageMemory
+from sarathi_pp.model_spec import ModelSpec
+from sarathi_pp.plan import MicroBatchPlan
+from sarathi_pp.stages.runner import StageSpec, StageWorker, to_step_result
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_stage(num_stages: int, configured: int | None) -> int:
+    return configured or max(1, usable_cores() // num_stages)
+
+
+class PipelineStage:
+    def __init__(
+        self,
+        stage: StageSpec,
+        spec: ModelSpec,
+        model_dir: str,
+        max_model_len: int,
+        parallel: ParallelConfig,
+        cache: CacheConfig,
+    ) -> None:
+        if stage.device == "cpu":
+            torch.set_num_threads(threads_per_stage(stage.num_stages, parallel.num_threads_per_stage))
+        elif stage.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(stage.device))
+        self.stage = stage
+        self.spec = spec
+        self.worker = StageWorker(spec, model_dir, stage, max_model_len)
+        self.timeout_s = parallel.stage_timeout_s
+        # A stage may run this many micro-batches ahead of the next one (Note in comm/p2p).
+        self.max_pending_sends = parallel.microbatches_in_flight + 1
+        self.cache = cache
+        self.transport: StageTransport | None = None
+
+    # --- set-up ------------------------------------------------------------------------------
+    def address(self) -> tuple[str, int]:
+        """Where this stage (stage 0) can host the process group's rendezvous."""
+        return node_ip(), free_port()
+
+    def init_group(self, master_addr: str, master_port: int) -> None:
+        """Join the stages' process group (every stage calls this at once)."""
+        s = self.stage
+        init_stage_group(s.stage_idx, s.num_stages, master_addr, master_port, pick_backend(s.device), self.timeout_s)
+        self.attach_transport()
+
+    def attach_transport(self) -> None:
+        """Talk to the neighbours over the (already initialised) default process group."""
+        s = self.stage
+        self.transport = StageTransport(
+            s.stage_idx, s.num_stages, s.device, self.timeout_s,
+            max_pending_sends=self.max_pending_sends,
+        )
+
+    def load_model(self) -> StageMemory:
+        return self.worker.memory(self.worker.load_model(), self.cache)
+
+    def preferred_block_size(self) -> int:
+        from sarathi_pp.stages.attention import preferred_block_size
+
+        return preferred_block_size(self.worker.device)
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.worker.init_kv_cache(num_blocks, block_size)
+
+    # --- one micro-batch -----------------------------------------------------------------------
+    def run(self, plan: MicroBatchPlan) -> StepResult | None:
+        assert self.transport is not None, "init_group/attach_transport first"
+        s = self.stage
+        hidden = None
+        if not s.is_first:
+            hidden = self.transport.recv(plan.microbatch_id, plan.num_tokens, self.spec.hidden_size, self.worker.dtype)
+        out = self.worker.execute(plan, hidden)
+        if not s.is_last:
+            self.transport.send(plan.microbatch_id, out)
+            return None
+        return to_step_result(out)
+
+    def shutdown(self) -> None:
+        if self.transport is not None:
+            try:  # briefly: after a failure the next stage may never receive
+                self.transport.flush(timeout_s=min(5.0, self.timeout_s))
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+        destroy_stage_group()
