@@ -116,6 +116,20 @@ class LLMEngine:
         if self.run_dir is not None:
             write_config(self.run_dir, self.resolved_config)
 
+    def set_scheduler(self, **overrides: Any) -> None:
+        """Switch scheduler settings (``policy``, ``chunk_size``, ...) between workloads,
+        keeping the loaded stages and their KV cache: comparing policies on one pipeline
+        costs no new stage processes. Only while no request is unfinished."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("set_scheduler needs an idle engine (requests are unfinished)")
+        config = self.config.replace(**{f"scheduler.{k}": v for k, v in overrides.items()})
+        old = self.scheduler
+        self.scheduler = create_scheduler(
+            config.scheduler, self.num_kv_blocks, self.block_size, self.max_model_len, self.max_inflight
+        )
+        self.scheduler._next_microbatch_id = old._next_microbatch_id  # ids stay unique per run
+        self.config = config
+
     def _eos_ids(self) -> set[int]:
         ids = set(self.spec.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -59,3 +59,13 @@ def llama_sharded_dir(tiny_model: Callable[[str], Path]) -> Path:
 @pytest.fixture(scope="session", params=list(VARIANTS))
 def any_model_dir(request: pytest.FixtureRequest, tiny_model: Callable[[str], Path]) -> Path:
     return tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for the session: engines find it initialised and only start actors
+    (seconds each) instead of a whole Ray (and leave it running for the next test)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()

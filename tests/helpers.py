@@ -73,6 +73,11 @@ def _qwen2() -> Qwen2Config:
     return Qwen2Config(**TINY_DIMS, tie_word_embeddings=True, use_sliding_window=False)
 
 
+def _qwen2_deep() -> Qwen2Config:
+    # Four layers: enough for a 4-stage pipeline, whose last stage needs the tied embedding.
+    return Qwen2Config(**{**TINY_DIMS, "num_hidden_layers": 4}, tie_word_embeddings=True, use_sliding_window=False)
+
+
 # name -> (config factory, seed, max_shard_size or None). Distinct seeds: Mistral without a
 # window is Llama's architecture, and the same seed would give it the very same weights.
 VARIANTS: dict[str, tuple[Callable[[], Any], int, str | None]] = {
@@ -81,6 +86,7 @@ VARIANTS: dict[str, tuple[Callable[[], Any], int, str | None]] = {
     "mistral": (_mistral, 2, None),
     "qwen2": (_qwen2, 3, None),
     "llama-sharded": (_llama, 0, "40KB"),  # llama's weights in shards + an index json
+    "qwen2-4layer": (_qwen2_deep, 4, None),
 }
 
 

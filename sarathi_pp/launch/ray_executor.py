@@ -88,11 +88,18 @@ class RayExecutor:
         from sarathi_pp.stages.pipeline_stage import PipelineStage
 
         n = self.num_stages
-        # Fractional CPUs so that more stages than cores still start (2-core CI, PP=4).
-        cpus = min(1.0, float(ray.cluster_resources().get("CPU", 1)) / n)
+        # Fractional CPUs so that more stages than cores still start (2-core CI, PP=4); the
+        # threads a stage uses are set apart from this (``num_threads_per_stage``).
+        free_cpus = float(ray.available_resources().get("CPU", 0.0))
+        cpus = max(0.01, min(1.0, free_cpus / n))
         bundle = {"CPU": cpus, "GPU": 1} if device == "cuda" else {"CPU": cpus}
         self._pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
-        ray.get(self._pg.ready(), timeout=self.timeout_s)
+        ready, _ = ray.wait([self._pg.ready()], timeout=self.timeout_s)
+        if not ready:
+            raise RuntimeError(
+                f"Ray could not place {n} stage actors ({bundle} each) within "
+                f"{self.timeout_s:g} s; free in the cluster: {ray.available_resources()}"
+            )
         actor_cls = ray.remote(PipelineStage)
         p = config.parallel
         for i, (start, end) in enumerate(ranges):

@@ -1,0 +1,135 @@
+"""Pipeline parallelism on CPU (gloo): Ray stage actors and torchrun ranks give the greedy
+tokens of Hugging Face and of one stage, for every scheduler, chunk sizes, PP = 2, 3, 4,
+with preemption; a killed stage is a clear error, not a hang.
+
+Stage processes cost seconds each on 2 cores, so one PP=2 engine serves the whole policy
+x chunk-size matrix (``set_scheduler`` keeps the stages), and PP=3 / PP=4 run a subset:
+sarathi and vllm (the two ends of the design space) with one chunk size each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import assert_greedy_match, hf_greedy
+
+from sarathi_pp import LLM, SamplingParams
+from sarathi_pp.executor import StageError
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+SCHEDULERS = ("sarathi", "vllm", "orca", "simple_chunking")
+
+
+def make_prompts(lens=(3, 17, 60, 150), seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in lens]
+
+
+def check_against_hf(model_dir, outs, prompts):
+    for out, prompt in zip(outs, prompts):
+        assert out.outputs[0].finish_reason == "length", out
+        ref, margins = hf_greedy(model_dir, prompt, MAX_TOKENS)
+        assert_greedy_match(out.outputs[0].token_ids, ref, margins)
+
+
+@pytest.fixture(scope="module")
+def pp2(ray_cluster, llama_dir):
+    llm = LLM(str(llama_dir), pipeline_parallel_size=2, max_model_len=256)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+@pytest.mark.parametrize("chunk_size, tile_align", [(7, False), (16, True), (1000, False)])
+def test_pp2_matches_hf_and_pp1(pp2, llama_dir, scheduler, chunk_size, tile_align):
+    pp2.engine.set_scheduler(policy=scheduler, chunk_size=chunk_size, tile_align=tile_align, tile_size=8)
+    prompts = make_prompts()
+    outs = pp2.generate(prompts, GREEDY, use_tqdm=False)
+    check_against_hf(llama_dir, outs, prompts)
+    assert pp2.engine.max_inflight == 2
+
+
+def test_pp2_equals_pp1_exactly(pp2, llama_dir):
+    """Splitting layers over processes changes no arithmetic: identical tokens, no tie rule."""
+    pp2.engine.set_scheduler(policy="sarathi", chunk_size=32, tile_align=False)
+    prompts = make_prompts(seed=4)
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in pp2.generate(prompts, sp, use_tqdm=False)]
+    with LLM(str(llama_dir), max_model_len=256, chunk_size=32, tile_align=False) as pp1:
+        ref = [o.outputs[0].token_ids for o in pp1.generate(prompts, sp, use_tqdm=False)]
+    assert ours == ref
+
+
+def test_pp2_preemption(ray_cluster, llama_dir):
+    prompts = make_prompts(lens=(40, 41, 42, 43), seed=3)
+    with LLM(str(llama_dir), pipeline_parallel_size=2, max_model_len=176, block_size=4,
+             num_kv_blocks=44) as llm:
+        for scheduler in SCHEDULERS:
+            llm.engine.set_scheduler(policy=scheduler, chunk_size=24)
+            outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+            assert llm.engine.scheduler.num_preemptions > 0, scheduler
+            check_against_hf(llama_dir, outs, prompts)
+            bm = llm.engine.scheduler.block_manager
+            assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("variant, num_stages", [("llama3-rope", 3), ("qwen2-4layer", 4)])
+def test_pp3_pp4(ray_cluster, tiny_model, variant, num_stages):
+    model_dir = tiny_model(variant)
+    prompts = make_prompts(seed=num_stages)
+    with LLM(str(model_dir), pipeline_parallel_size=num_stages, max_model_len=256) as llm:
+        for scheduler, chunk in (("sarathi", 16), ("vllm", 256)):
+            llm.engine.set_scheduler(policy=scheduler, chunk_size=chunk, tile_align=False)
+            check_against_hf(model_dir, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+
+
+def test_more_stages_than_layers_is_refused_before_start(llama_dir):
+    with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
+        LLM(str(llama_dir), pipeline_parallel_size=3)
+
+
+def test_killed_stage_is_a_clear_error(ray_cluster, llama_dir):
+    llm = LLM(str(llama_dir), pipeline_parallel_size=2, max_model_len=256, stage_timeout_s=30)
+    ray_cluster.kill(llm.engine.executor.actors[1])
+    start = time.monotonic()
+    with pytest.raises(StageError, match="pipeline stage 1"):
+        llm.generate(make_prompts(), GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 30
+    assert llm.engine.executor.actors == []  # released
+
+
+def test_torchrun_matches_pp1(llama_dir, tmp_path):
+    prompts = ["Hello", "The pipeline has two stages", "x"]
+    out = tmp_path / "out.jsonl"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "sarathi_pp.launch.torchrun", "--model", str(llama_dir),
+        "--pipeline-parallel-size", "2", "--max-tokens", "8", "--ignore-eos",
+        "--output", str(out), "--set", "model.max_model_len=256", "--set", "parallel.stage_timeout_s=60",
+    ]
+    for p in prompts:
+        cmd += ["--prompt", p]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    with LLM(str(llama_dir), max_model_len=256) as pp1:
+        ref = pp1.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [r["prompt"] for r in records] == prompts
+    assert [r["token_ids"] for r in records] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_torchrun_world_size_must_match(llama_dir):
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "sarathi_pp.launch.torchrun", "--model", str(llama_dir), "--prompt", "hi",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "torchrun started 2 processes but pipeline_parallel_size=1" in proc.stderr
