@@ -1,0 +1,67 @@
+"""``ray job submit --working-dir . -- python -m sarathi_pp.launch.ray_job ...`` against a
+real ``ray start --head`` cluster (with its dashboard: the job server lives there)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sarathi_pp import LLM, SamplingParams
+from sarathi_pp.comm.dist_setup import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    """A head node of its own, stopped by killing its process group (``ray stop`` would
+    stop every Ray on the machine, the test session's included)."""
+    dash = free_port()
+    env = {**os.environ, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "token"}
+    head = subprocess.Popen(
+        [RAY, "start", "--head", "--block", "--port", str(free_port()), "--num-cpus", "4",
+         "--include-dashboard", "true", "--dashboard-port", str(dash), "--disable-usage-stats"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
+    )
+    try:
+        yield f"http://127.0.0.1:{dash}", env
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+
+
+def submit(address, env, args, timeout=240):
+    cmd = [RAY, "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
+           "python", "-m", "sarathi_pp.launch.ray_job", *args]
+    deadline = time.monotonic() + 60
+    while True:  # the job server comes up a few seconds after the head
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        if proc.returncode == 0 or time.monotonic() > deadline or "Connection" not in proc.stderr + proc.stdout:
+            return proc
+        time.sleep(2)
+
+
+def test_ray_job_submit_matches_pp1(ray_head, llama_dir):
+    address, env = ray_head
+    prompts = ["Hello", "Two stages"]
+    args = ["--model", str(llama_dir), "--pipeline-parallel-size", "2", "--max-tokens", "6",
+            "--ignore-eos", "--output", "-", "--set", "model.max_model_len=256"]
+    for p in prompts:
+        args += ["--prompt", p]
+    proc = submit(address, env, args)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"index"')]
+    with LLM(str(llama_dir), max_model_len=256) as pp1:
+        ref = pp1.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [r["token_ids"] for r in records] == [o.outputs[0].token_ids for o in ref]
