@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sarathi_pp.config import EngineConfig
+from sarathi_pp.events import EventLog
 from sarathi_pp.executor import Executor, StageError, StepResult, create_executor
 from sarathi_pp.memory import num_kv_blocks
 from sarathi_pp.model_path import resolve_model_path
@@ -24,6 +25,7 @@ from sarathi_pp.plan import MicroBatchPlan
 from sarathi_pp.run_dir import prepare_run_dir, write_config
 from sarathi_pp.sampling_params import SamplingParams
 from sarathi_pp.scheduler import create_scheduler
+from sarathi_pp.scheduler.base import IDLE_DEPENDENCY
 from sarathi_pp.sequence import Sequence, SequenceStatus
 from sarathi_pp.tokenizer import Detokenizer, has_tokenizer, load_tokenizer
 
@@ -90,6 +92,10 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._text: dict[int, _TextState] = {}
         self.eos_token_ids = self._eos_ids()
+        # The event log behind the bubble report: recorded only for a run dir.
+        self.events = None
+        if self.run_dir is not None:
+            self.events = EventLog(num_stages, self.now(), self.resolved_config.to_dict())
 
     def _init_cache_and_scheduler(self, config: EngineConfig) -> None:
         self.stage_memory = self.executor.load_model()
@@ -214,12 +220,7 @@ class LLMEngine:
 
     # --- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        while len(self._inflight) < self.max_inflight:
-            plan = self.scheduler.schedule(self.now())
-            if plan is None:
-                break
-            self.executor.submit(plan)
-            self._inflight.append(plan)
+        self._issue()
         if not self._inflight:
             return []
         try:
@@ -231,8 +232,28 @@ class LLMEngine:
         assert plan.microbatch_id == expected.microbatch_id, (plan, expected)
         return self._apply(plan, result)
 
+    def _issue(self) -> None:
+        """Issue every micro-batch the scheduler can, up to the in-flight limit."""
+        while len(self._inflight) < self.max_inflight:
+            now = self.now()
+            plan = self.scheduler.schedule(now)
+            if plan is None:
+                if self.events is not None:
+                    self.events.idle(now, self.scheduler.idle_reason)
+                return
+            if self.events is not None:
+                self.events.issue(plan.microbatch_id, now, plan.kind, plan.num_prefill_tokens, plan.num_decode_tokens)
+            self.executor.submit(plan)
+            self._inflight.append(plan)
+        if self.events is not None:  # the in-flight limit holds the next micro-batch back
+            self.events.idle(self.now(), IDLE_DEPENDENCY)
+
     def _apply(self, plan: MicroBatchPlan, result: StepResult) -> list[RequestOutput]:
         now = self.now()
+        if self.events is not None:
+            self.events.done(plan.microbatch_id, now)
+            for e in result.events:
+                self.events.stage(e)
         updated = self.scheduler.on_step_done(plan, result.sampled, now)
         outputs = []
         for seq_id, message in result.errors.items():
@@ -310,6 +331,16 @@ class LLMEngine:
             metrics=seq.metrics,
             error=seq.error,
         )
+
+    def write_run_records(self) -> None:
+        """Write ``events.jsonl`` and rebuild the report files in the run dir (if any)."""
+        if self.run_dir is None or self.events is None:
+            return
+        self.events.end_idle(self.now())
+        self.events.write(self.run_dir / "events.jsonl")
+        from sarathi_pp.report import write_report
+
+        write_report(self.run_dir)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

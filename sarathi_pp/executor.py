@@ -13,6 +13,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from sarathi_pp.events import StageEvent
+
 if TYPE_CHECKING:
     from sarathi_pp.config import EngineConfig
     from sarathi_pp.memory import StageMemory
@@ -32,6 +34,7 @@ class StageError(RuntimeError):
 class StepResult:
     sampled: dict[int, int] = field(default_factory=dict)  # seq_id -> token id
     errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why it failed
+    events: list[StageEvent] = field(default_factory=list)  # each stage's timing of the plan
 
 
 class Executor(Protocol):

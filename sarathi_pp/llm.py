@@ -73,6 +73,7 @@ class LLM:
         if self.engine.run_dir is not None:
             self._finished += outputs
             write_requests_csv(self.engine.run_dir, self._finished)
+            self.engine.write_run_records()
         return outputs
 
     def _params_per_prompt(self, sp, n: int) -> list[SamplingParams]:

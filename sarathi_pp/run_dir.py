@@ -17,8 +17,8 @@ REQUEST_COLUMNS = (
     "request_id", "num_prompt_tokens", "num_output_tokens", "finish_reason", "error",
     "arrival_s", "first_scheduled_s", "first_token_s", "finished_s",
     "ttft_s", "scheduling_delay_s", "e2e_s", "tbt_mean_s", "tbt_max_s", "tpot_s",
-    "num_preemptions",
-)  # times in seconds; *_s instants are relative to the run's first arrival
+    "num_preemptions", "token_times",
+)  # token_times: every generated token's time after arrival, space-separated  # times in seconds; *_s instants are relative to the run's first arrival
 
 
 def prepare_run_dir(path: str | Path, overwrite: bool) -> Path:
@@ -58,6 +58,7 @@ def _row(out: RequestOutput, t0: float) -> dict:
         "tbt_max_s": max(tbt) if tbt else None,
         "tpot_s": tpot,
         "num_preemptions": m.num_preemptions,
+        "token_times": " ".join(f"{t - m.arrival_time:.6f}" for t in m.token_times),
     }
 
 

@@ -66,6 +66,6 @@ def ray_cluster():
     """One local Ray for the session: engines find it initialised and only start actors
     (seconds each) instead of a whole Ray (and leave it running for the next test)."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
     yield ray
     ray.shutdown()

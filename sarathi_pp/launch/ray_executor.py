@@ -39,10 +39,10 @@ def _start_ray(ray) -> bool:
     whether this process started (and so must stop) it."""
     if ray.is_initialized():
         return False
-    address = os.environ.get("RAY_ADDRESS")
-    # working_dir-less runtime env: the stage actors import sarathi_pp from the same install.
-    ray.init(address=address or None, include_dashboard=False, log_to_driver=True,
-             logging_level=logging.WARNING)
+    # "local" starts a fresh Ray even where a stale `ray start` left its address file
+    # behind (a bare ray.init() would try to join that dead cluster).
+    address = os.environ.get("RAY_ADDRESS") or "local"
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     return True
 
 
@@ -68,6 +68,7 @@ class RayExecutor:
         self.timeout_s = p.stage_timeout_s
         self._inflight: deque[tuple[MicroBatchPlan, list]] = deque()
         self.actors: list = []
+        self.clock_offsets: list[float] = []
         self._pg = None
         try:
             device = _resolve_device(ray, config, self.num_stages)
@@ -113,6 +114,20 @@ class RayExecutor:
             )
         addr, port = self._get([self.actors[0].address.remote()], "rendezvous")[0]
         self._get([a.init_group.remote(addr, port) for a in self.actors], "process group set-up")
+        self.clock_offsets = [self._clock_offset(a) for a in self.actors]
+
+    def _clock_offset(self, actor) -> float:
+        """The actor's monotonic clock minus the driver's, from the tightest of a few
+        round trips; 0 when it is within the round-trip noise (the same machine)."""
+        best = None
+        for _ in range(5):
+            t0 = time.monotonic()
+            remote = self._get([actor.clock.remote()], "clock")[0]
+            t1 = time.monotonic()
+            if best is None or t1 - t0 < best[0]:
+                best = (t1 - t0, remote - (t0 + t1) / 2)
+        rtt, offset = best
+        return 0.0 if abs(offset) <= rtt else offset
 
     def _get(self, refs: list, what: str) -> list:
         """``ray.get`` with the stage timeout; a dead or failed actor names its stage."""
@@ -147,8 +162,10 @@ class RayExecutor:
 
     def wait_oldest(self) -> tuple[MicroBatchPlan, StepResult]:
         plan, refs = self._inflight.popleft()
-        results = self._wait_stages(plan, refs)
-        return plan, results[-1]
+        outputs = self._wait_stages(plan, refs)  # [(result or None, StageEvent)] per stage
+        result = outputs[-1][0]
+        result.events = [e.shifted(off) for (_, e), off in zip(outputs, self.clock_offsets)]
+        return plan, result
 
     def _wait_stages(self, plan: MicroBatchPlan, refs: list) -> list:
         """All stages' results for ``plan``. A stage that fails or dies is reported as soon

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from sarathi_pp.comm.objects import ObjectChannel
 from sarathi_pp.comm.p2p import StageCommError
 from sarathi_pp.config import EngineConfig
+from sarathi_pp.events import StageEvent
 from sarathi_pp.executor import StageError, StepResult
 from sarathi_pp.memory import StageMemory
 from sarathi_pp.model_spec import ModelSpec, load_model_spec
@@ -37,7 +38,8 @@ from sarathi_pp.stages.runner import StageSpec
 @dataclass
 class _Groups:
     plans: ObjectChannel  # rank 0 -> every other rank
-    results: ObjectChannel  # last rank -> rank 0
+    results: ObjectChannel  # last rank -> rank 0: sampled tokens or the error
+    events: ObjectChannel  # middle ranks -> rank 0: their timing of each plan
     setup: object  # gloo group for the one-off collectives of set-up
 
 
@@ -64,6 +66,7 @@ def init_torchrun(config: EngineConfig) -> _Groups:
     _GROUPS = _Groups(
         plans=ObjectChannel(dist.new_group(backend="gloo", timeout=timeout), t),
         results=ObjectChannel(dist.new_group(backend="gloo", timeout=timeout), t),
+        events=ObjectChannel(dist.new_group(backend="gloo", timeout=timeout), t),
         setup=dist.new_group(backend="gloo", timeout=timeout),
     )
     return _GROUPS
@@ -91,7 +94,7 @@ class TorchrunExecutor:
         self.groups = _GROUPS
         self.num_stages = config.parallel.pipeline_parallel_size
         self.stage = _make_stage(config, spec, model_dir, max_model_len, rank=0)
-        self._inflight: deque[tuple[MicroBatchPlan, StepResult | None]] = deque()
+        self._inflight: deque[tuple[MicroBatchPlan, StepResult | None, StageEvent]] = deque()
         self._closed = False
         _ACTIVE.append(self)
 
@@ -110,11 +113,12 @@ class TorchrunExecutor:
     def submit(self, plan: MicroBatchPlan) -> None:
         for rank in range(1, self.num_stages):
             self.groups.plans.send(plan, rank)
-        self._inflight.append((plan, self.stage.run(plan)))
+        self._inflight.append((plan, *self.stage.run(plan)))
 
     def wait_oldest(self) -> tuple[MicroBatchPlan, StepResult]:
-        plan, local = self._inflight.popleft()
+        plan, local, event = self._inflight.popleft()
         if local is not None:  # a single stage: rank 0 is also the last
+            local.events = [event]
             return plan, local
         last = self.num_stages - 1
         try:
@@ -126,7 +130,11 @@ class TorchrunExecutor:
             raise StageError(stage_idx, f"micro-batch {microbatch_id} failed: {payload}")
         if microbatch_id != plan.microbatch_id:
             raise StageError(stage_idx, f"sent micro-batch {microbatch_id}, expected {plan.microbatch_id}")
-        return plan, payload
+        result, last_event = payload
+        # Middle ranks sent their timing of this plan before the last rank could finish it.
+        middle = [self.groups.events.recv(r, "stage timing") for r in range(1, last)]
+        result.events = [event, *middle, last_event]
+        return plan, result
 
     def shutdown(self) -> None:
         if self._closed:
@@ -157,14 +165,17 @@ def serve_stage(config: EngineConfig, rank: int) -> None:
     stage.init_kv_cache(*box[0])
     while (plan := groups.plans.recv(0, "the next plan")) is not None:
         try:
-            result = stage.run(plan)
+            result, event = stage.run(plan)
         except Exception as e:
             if stage.stage.is_last:  # rank 0 waits on the last rank: tell it what failed
                 groups.results.send(("error", rank, plan.microbatch_id, f"{type(e).__name__}: {e}"), 0)
                 groups.results.flush()
             raise
         if stage.stage.is_last:
-            groups.results.send(("ok", rank, plan.microbatch_id, result), 0)
+            groups.results.send(("ok", rank, plan.microbatch_id, (result, event)), 0)
+        else:
+            groups.events.send(event, 0)
+    groups.events.flush()
     groups.results.flush()
     stage.shutdown()
 

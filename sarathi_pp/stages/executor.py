@@ -8,9 +8,11 @@ writes the same values to the same slots).
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from sarathi_pp.config import EngineConfig
+from sarathi_pp.events import StageEvent
 from sarathi_pp.executor import StepResult
 from sarathi_pp.memory import StageMemory
 from sarathi_pp.model_spec import ModelSpec
@@ -30,6 +32,7 @@ class UniprocExecutor:
         self.config = config
         self.worker = StageWorker(spec, model_dir, stage, max_model_len)
         self._done: deque[tuple[MicroBatchPlan, StepResult]] = deque()
+        self._free_since = time.monotonic()
 
     def load_model(self) -> list[StageMemory]:
         return [self.worker.memory(self.worker.load_model(), self.config.cache)]
@@ -39,9 +42,19 @@ class UniprocExecutor:
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.worker.init_kv_cache(num_blocks, block_size)
+        self._free_since = time.monotonic()
 
     def submit(self, plan: MicroBatchPlan) -> None:
-        self._done.append((plan, self._run(plan)))
+        compute_start = time.monotonic()
+        result = self._run(plan)
+        end = time.monotonic()
+        result.events = [
+            StageEvent(0, plan.microbatch_id, plan.kind, plan.num_prefill_tokens,
+                       plan.num_decode_tokens, self._free_since, compute_start, compute_start,
+                       end, end)
+        ]
+        self._free_since = end
+        self._done.append((plan, result))
 
     def wait_oldest(self) -> tuple[MicroBatchPlan, StepResult]:
         return self._done.popleft()

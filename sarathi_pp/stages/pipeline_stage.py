@@ -10,12 +10,14 @@ sampled tokens. Activations never pass through the control plane.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
 from sarathi_pp.comm.dist_setup import destroy_stage_group, free_port, init_stage_group, node_ip, pick_backend
 from sarathi_pp.comm.p2p import StageTransport
 from sarathi_pp.config import CacheConfig, ParallelConfig
+from sarathi_pp.events import StageEvent
 from sarathi_pp.executor import StepResult
 from sarathi_pp.memory import StageMemory
 from sarathi_pp.model_spec import ModelSpec
@@ -57,6 +59,7 @@ class PipelineStage:
         self.max_pending_sends = parallel.microbatches_in_flight + 1
         self.cache = cache
         self.transport: StageTransport | None = None
+        self._free_since = time.monotonic()  # when the stage last became free
 
     # --- set-up ------------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -87,19 +90,38 @@ class PipelineStage:
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.worker.init_kv_cache(num_blocks, block_size)
+        self._free_since = time.monotonic()
 
     # --- one micro-batch -----------------------------------------------------------------------
-    def run(self, plan: MicroBatchPlan) -> StepResult | None:
+    def run(self, plan: MicroBatchPlan) -> tuple[StepResult | None, StageEvent]:
+        """Run one micro-batch; returns the sampled tokens (last stage, else ``None``) and
+        this stage's timing of it (a few clock reads: no per-token work)."""
         assert self.transport is not None, "init_group/attach_transport first"
         s = self.stage
+        wait_start = self._free_since
+        arrived = time.monotonic()  # stage 0: the plan is here; s > 0: now wait for input
         hidden = None
         if not s.is_first:
             hidden = self.transport.recv(plan.microbatch_id, plan.num_tokens, self.spec.hidden_size, self.worker.dtype)
+        compute_start = time.monotonic()
         out = self.worker.execute(plan, hidden)
-        if not s.is_last:
+        compute_end = time.monotonic()
+        result = None
+        if s.is_last:
+            result = to_step_result(out)
+        else:
             self.transport.send(plan.microbatch_id, out)
-            return None
-        return to_step_result(out)
+        self._free_since = time.monotonic()
+        event = StageEvent(
+            s.stage_idx, plan.microbatch_id, plan.kind, plan.num_prefill_tokens,
+            plan.num_decode_tokens, min(wait_start, arrived), compute_start if not s.is_first else arrived,
+            compute_start, compute_end, self._free_since,
+        )
+        return result, event
+
+    def clock(self) -> float:
+        """This process's clock, for the driver to measure the offset between processes."""
+        return time.monotonic()
 
     def shutdown(self) -> None:
         if self.transport is not None:

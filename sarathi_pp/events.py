@@ -1,0 +1,126 @@
+"""The run's event log, ``events.jsonl``: what the bubble report is rebuilt from.
+
+One JSON object per line; the first line is the header. Times are seconds on one clock for
+every process of the run (``time.monotonic()``: system-wide on one machine; a stage on
+another node has its offset measured and removed), relative to the header's ``t0``.
+
+Schema version 1 (``SCHEMA_VERSION``), by ``type``:
+
+``header``  ``schema_version``, ``num_stages``, ``t0`` (absolute monotonic seconds),
+            ``config`` (the resolved config as a mapping).
+``stage``   one per stage per micro-batch: ``stage``, ``mb`` (micro-batch id), ``kind``
+            (``prefill``/``decode``/``hybrid``), ``num_prefill_tokens``,
+            ``num_decode_tokens``, ``wait_start`` (the stage became free for this
+            micro-batch: it finished the previous one), ``input_ready`` (stage 0: the plan
+            reached the stage; stage s > 0: the hidden states arrived), ``compute_start``,
+            ``compute_end``, ``send_end`` (the output was handed to the transport; the last
+            stage: the sampled tokens were ready to return).
+``issue``   the scheduler issued a micro-batch: ``mb``, ``t``, ``kind``,
+            ``num_prefill_tokens``, ``num_decode_tokens``.
+``idle``    the scheduler had nothing to issue: ``start``, ``end``, ``reason``
+            (``no_work``: no request had arrived; ``dependency``: every schedulable
+            sequence waited for its sampled token, no KV block was free, or the in-flight
+            limit was reached).
+``done``    the driver received a micro-batch's sampled tokens: ``mb``, ``t``.
+``chunk_size`` the token budget in force from ``t`` on (``t``, ``chunk_size``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+EVENT_TYPES = ("header", "stage", "issue", "idle", "done", "chunk_size")
+
+
+@dataclass(frozen=True, slots=True)
+class StageEvent:
+    """One stage's timing of one micro-batch (absolute monotonic seconds until written)."""
+
+    stage: int
+    mb: int
+    kind: str
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    wait_start: float
+    input_ready: float
+    compute_start: float
+    compute_end: float
+    send_end: float
+
+    def shifted(self, offset: float) -> StageEvent:
+        """The same event with ``offset`` subtracted from every time."""
+        d = asdict(self)
+        for k in ("wait_start", "input_ready", "compute_start", "compute_end", "send_end"):
+            d[k] -= offset
+        return StageEvent(**d)
+
+
+class EventLog:
+    """Collects a run's events in memory (cheap appends) and writes them at the end."""
+
+    def __init__(self, num_stages: int, t0: float, config: dict[str, Any]) -> None:
+        self.t0 = t0
+        self.records: list[dict[str, Any]] = [
+            {"type": "header", "schema_version": SCHEMA_VERSION, "num_stages": num_stages,
+             "t0": t0, "config": config}
+        ]
+        self._idle_since: tuple[float, str] | None = None
+
+    def stage(self, e: StageEvent) -> None:
+        self.records.append({"type": "stage", **asdict(e.shifted(self.t0))})
+
+    def issue(self, mb: int, t: float, kind: str, num_prefill: int, num_decode: int) -> None:
+        self.end_idle(t)
+        self.records.append({"type": "issue", "mb": mb, "t": t - self.t0, "kind": kind,
+                             "num_prefill_tokens": num_prefill, "num_decode_tokens": num_decode})
+
+    def idle(self, t: float, reason: str) -> None:
+        """The scheduler has nothing to issue from ``t`` on (until the next ``issue``)."""
+        if self._idle_since is not None and self._idle_since[1] != reason:
+            self.end_idle(t)
+        if self._idle_since is None:
+            self._idle_since = (t, reason)
+
+    def end_idle(self, t: float) -> None:
+        if self._idle_since is not None:
+            start, reason = self._idle_since
+            if t > start:
+                self.records.append({"type": "idle", "start": start - self.t0, "end": t - self.t0, "reason": reason})
+            self._idle_since = None
+
+    def done(self, mb: int, t: float) -> None:
+        self.records.append({"type": "done", "mb": mb, "t": t - self.t0})
+
+    def write(self, path: str | Path) -> None:
+        with open(path, "w") as f:
+            for r in self.records:
+                f.write(json.dumps(r) + "\n")
+
+
+def read_events(path: str | Path) -> list[dict[str, Any]]:
+    """Read ``events.jsonl``; ``ValueError`` naming the file and line if it is not valid."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no event log {str(p)!r}")
+    records = []
+    for i, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}:{i}: not valid JSON: {e}") from e
+        if not isinstance(r, dict) or r.get("type") not in EVENT_TYPES:
+            raise ValueError(f"{p}:{i}: not an event record: {line[:80]!r}")
+        records.append(r)
+    if not records or records[0]["type"] != "header":
+        raise ValueError(f"{p}: the first line must be the header")
+    if records[0].get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(
+            f"{p}: schema version {records[0].get('schema_version')!r}, this reader knows {SCHEMA_VERSION}"
+        )
+    return records
