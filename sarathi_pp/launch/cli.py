@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from sarathi_pp.config import DTYPES, FLAT_KEYS, EngineConfig, load_config, parse_set_value
+from sarathi_pp.report.cli import add_report_parser
 from sarathi_pp.sampling_params import SamplingParams
 
 PROG = "sarathi-pp"
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_generate_parser(subparsers)
+    add_report_parser(subparsers)
     return parser
 
 

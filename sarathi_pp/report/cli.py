@@ -1,0 +1,55 @@
+"""``sarathi-pp report RUN_DIR [RUN_DIR ...]``: rebuild each run's report files and print
+its table; with two or more runs, print them side by side with ratios (the first run
+against each other one). Runs are named by their dir name.
+
+Registered by ``sarathi_pp.launch.cli.build_parser`` through ``add_report_parser``. A
+missing or invalid run dir, ``events.jsonl`` or ``requests.csv`` is a usage error (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_report_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "report",
+        help="rebuild a run's bubble report; compare runs",
+        description="Rebuild summary.json, trace.json and timeline.png in each RUN_DIR from "
+        "its events.jsonl and requests.csv and print the bubble and request tables; with two "
+        "or more runs, compare them side by side (the first against each other one).",
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run dir (runs/<name>)")
+    p.add_argument(
+        "--no-write", dest="write", action="store_false", help="only print; write no files"
+    )
+    p.add_argument("--no-plot", dest="plot", action="store_false", help="skip timeline.png")
+    p.set_defaults(func=run_report)
+
+
+def run_names(run_dirs: list[str]) -> list[str]:
+    """Each run's dir name; the path as given where two runs share a name."""
+    names = [Path(d).resolve().name or d for d in run_dirs]
+    return [d if names.count(n) > 1 else n for n, d in zip(names, run_dirs, strict=True)]
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from sarathi_pp.launch.cli import user_errors
+    from sarathi_pp.report.text import format_comparison, format_run
+    from sarathi_pp.report.writer import analyze_run, write_files
+
+    with user_errors():
+        reports = [analyze_run(d) for d in args.run_dirs]
+    names = run_names(args.run_dirs)
+    for r in reports:
+        if args.write:
+            for path in write_files(r, plot=args.plot):
+                print(f"wrote {path}", file=sys.stderr)
+    if len(reports) == 1:
+        print(format_run(names[0], reports[0].summary))
+    else:
+        print(format_comparison(names, [r.summary for r in reports]))
+    return 0

@@ -1,0 +1,228 @@
+"""``events.jsonl`` parsed into typed, checked values for the bubble analysis.
+
+``read_events`` (``sarathi_pp.events``) checks the lines are records; this module checks
+what the analysis relies on, and names the file in every error: each stage record has its
+fields, a known kind and ordered times (``compute_start <= compute_end <= send_end``); a
+stage's computes do not overlap; every stage ran the same micro-batches; idle reasons are
+known.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+from sarathi_pp.events import StageEvent, read_events
+
+KINDS = ("prefill", "decode", "hybrid")
+IDLE_REASONS = ("no_work", "dependency")
+_STAGE_FIELDS = (
+    "stage",
+    "mb",
+    "kind",
+    "num_prefill_tokens",
+    "num_decode_tokens",
+    "wait_start",
+    "input_ready",
+    "compute_start",
+    "compute_end",
+    "send_end",
+)
+_TIME_FIELDS = ("wait_start", "input_ready", "compute_start", "compute_end", "send_end")
+
+
+@dataclass(frozen=True, slots=True)
+class Idle:
+    """The scheduler had nothing to issue in ``[start, end)`` because of ``reason``."""
+
+    start: float
+    end: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Issue:
+    mb: int
+    t: float
+    kind: str
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
+@dataclass(frozen=True)
+class RunLog:
+    """One run's events; times in seconds relative to the header's ``t0``."""
+
+    source: str  # the file, for error messages
+    num_stages: int
+    config: dict[str, Any]
+    stages: tuple[tuple[StageEvent, ...], ...]  # [stage_idx] -> in compute order
+    idles: tuple[Idle, ...]  # by start
+    issues: tuple[Issue, ...]  # by t
+    dones: tuple[tuple[int, float], ...]  # (mb, t) by t
+    chunk_sizes: tuple[tuple[float, int], ...]  # (t, chunk_size) by t
+
+    def by_mb(self, stage_idx: int) -> dict[int, StageEvent]:
+        return {e.mb: e for e in self.stages[stage_idx]}
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.stages[0])
+
+
+def load_log(path: str | Path) -> RunLog:
+    """Read and check ``events.jsonl``; ``FileNotFoundError``/``ValueError`` naming it."""
+    return parse_log(read_events(path), str(path))
+
+
+def parse_log(records: list[dict[str, Any]], source: str) -> RunLog:
+    """Check and type ``records`` (as ``read_events`` returns them) from ``source``."""
+    header = records[0]
+    num_stages = header.get("num_stages")
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+        raise ValueError(f"{source}: header num_stages must be an int >= 1, got {num_stages!r}")
+    by_type: dict[str, list[dict[str, Any]]] = {}
+    for i, r in enumerate(records[1:], 2):
+        by_type.setdefault(r["type"], []).append({**r, "_line": i})
+    stages = _stage_events(by_type.get("stage", []), num_stages, source)
+    return RunLog(
+        source=source,
+        num_stages=num_stages,
+        config=header.get("config") or {},
+        stages=stages,
+        idles=tuple(
+            sorted((_idle(r, source) for r in by_type.get("idle", [])), key=lambda x: x.start)
+        ),
+        issues=tuple(
+            sorted((_issue(r, source) for r in by_type.get("issue", [])), key=lambda x: x.t)
+        ),
+        dones=tuple(
+            sorted(
+                ((_int(r, "mb", source), _num(r, "t", source)) for r in by_type.get("done", [])),
+                key=lambda x: x[1],
+            )
+        ),
+        chunk_sizes=tuple(
+            sorted(
+                (_num(r, "t", source), _int(r, "chunk_size", source))
+                for r in by_type.get("chunk_size", [])
+            )
+        ),
+    )
+
+
+def _where(r: dict[str, Any], source: str) -> str:
+    return f"{source}:{r.get('_line', '?')}"
+
+
+def _num(r: dict[str, Any], key: str, source: str) -> float:
+    v = r.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(
+            f"{_where(r, source)}: {r['type']} record field {key!r} must be a "
+            f"finite number, got {v!r}"
+        )
+    return float(v)
+
+
+def _int(r: dict[str, Any], key: str, source: str) -> int:
+    v = r.get(key)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(
+            f"{_where(r, source)}: {r['type']} record field {key!r} must be an int, got {v!r}"
+        )
+    return v
+
+
+def _kind(r: dict[str, Any], source: str) -> str:
+    if r.get("kind") not in KINDS:
+        raise ValueError(f"{_where(r, source)}: kind must be one of {KINDS}, got {r.get('kind')!r}")
+    return r["kind"]
+
+
+def _idle(r: dict[str, Any], source: str) -> Idle:
+    start, end = _num(r, "start", source), _num(r, "end", source)
+    if r.get("reason") not in IDLE_REASONS:
+        raise ValueError(
+            f"{_where(r, source)}: idle reason must be one of {IDLE_REASONS}, "
+            f"got {r.get('reason')!r}"
+        )
+    if end < start:
+        raise ValueError(
+            f"{_where(r, source)}: idle record ends ({end}) before it starts ({start})"
+        )
+    return Idle(start, end, r["reason"])
+
+
+def _issue(r: dict[str, Any], source: str) -> Issue:
+    return Issue(
+        _int(r, "mb", source),
+        _num(r, "t", source),
+        _kind(r, source),
+        _int(r, "num_prefill_tokens", source),
+        _int(r, "num_decode_tokens", source),
+    )
+
+
+def _stage_event(r: dict[str, Any], num_stages: int, source: str) -> StageEvent:
+    missing = [k for k in _STAGE_FIELDS if k not in r]
+    if missing:
+        raise ValueError(f"{_where(r, source)}: stage record lacks {', '.join(missing)}")
+    stage_idx = _int(r, "stage", source)
+    if not 0 <= stage_idx < num_stages:
+        raise ValueError(
+            f"{_where(r, source)}: stage {stage_idx} is out of range for num_stages={num_stages}"
+        )
+    times = {k: _num(r, k, source) for k in _TIME_FIELDS}
+    if not times["compute_start"] <= times["compute_end"] <= times["send_end"]:
+        raise ValueError(
+            f"{_where(r, source)}: stage {stage_idx} micro-batch {r['mb']}: times "
+            "must satisfy compute_start <= compute_end <= send_end"
+        )
+    return StageEvent(
+        stage=stage_idx,
+        mb=_int(r, "mb", source),
+        kind=_kind(r, source),
+        num_prefill_tokens=_int(r, "num_prefill_tokens", source),
+        num_decode_tokens=_int(r, "num_decode_tokens", source),
+        **times,
+    )
+
+
+def _stage_events(
+    rs: list[dict[str, Any]], num_stages: int, source: str
+) -> tuple[tuple[StageEvent, ...], ...]:
+    if not rs:
+        raise ValueError(f"{source}: no stage records: the run computed no micro-batch")
+    per_stage: list[list[StageEvent]] = [[] for _ in range(num_stages)]
+    for r in rs:
+        e = _stage_event(r, num_stages, source)
+        per_stage[e.stage].append(e)
+    for s, events in enumerate(per_stage):
+        events.sort(key=lambda e: (e.compute_start, e.compute_end))
+        for a, b in pairwise(events):
+            if b.compute_start < a.compute_end:
+                raise ValueError(
+                    f"{source}: stage {s} starts micro-batch {b.mb} at "
+                    f"{b.compute_start} before micro-batch {a.mb} ends at {a.compute_end}"
+                )
+        mbs = [e.mb for e in events]
+        if len(set(mbs)) != len(mbs):
+            raise ValueError(f"{source}: stage {s} has more than one record of a micro-batch")
+    _check_same_mbs(per_stage, source)
+    return tuple(tuple(e) for e in per_stage)
+
+
+def _check_same_mbs(per_stage: list[list[StageEvent]], source: str) -> None:
+    ref = {e.mb for e in per_stage[0]}
+    for s, events in enumerate(per_stage[1:], 1):
+        mbs = {e.mb for e in events}
+        if mbs != ref:
+            diff = sorted(ref ^ mbs)[:5]
+            raise ValueError(
+                f"{source}: stages 0 and {s} ran different micro-batches "
+                f"(e.g. {diff}): every stage needs a record of every micro-batch"
+            )

@@ -1,0 +1,104 @@
+"""``summary.json``: bubbles per stage and overall, micro-batch statistics, request metrics.
+
+Layout (times in seconds)::
+
+    schema_version, num_stages, scheduler, steady_state, steady_state_note,
+    run:    {start_s, end_s, duration_s}       # relative to the event log's t0
+    window: {start_s, end_s, duration_s}       # the steady state (or the run, see the note)
+    stages: [{stage, busy_s, idle_s, window_s, bubble_fraction, bubbles_s: {class: s},
+              fill_s, drain_s, fill_drain_s,
+              microbatches: {prefill|decode|hybrid|all: {count, compute_mean_s, compute_cv}}}]
+    overall: {busy_s, idle_s, window_s, bubble_fraction, bubbles_s, fill_s, drain_s,
+              fill_drain_s, num_microbatches, microbatches_by_kind: {kind: count}}
+    requests: see ``request_metrics.request_summary``
+
+``overall`` sums the stages; its ``bubble_fraction`` is total idle / total window.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sarathi_pp.events import StageEvent
+from sarathi_pp.report.bubbles import BUBBLE_CLASSES, BubbleAnalysis, StageBubbles
+from sarathi_pp.report.log import KINDS, RunLog
+from sarathi_pp.report.request_metrics import RequestRow, request_summary
+
+SUMMARY_VERSION = 1
+
+
+def build_summary(log: RunLog, analysis: BubbleAnalysis, rows: list[RequestRow]) -> dict[str, Any]:
+    w = analysis.window
+    stages = [_stage_entry(b, log.stages[b.stage_idx]) for b in analysis.stages]
+    return {
+        "schema_version": SUMMARY_VERSION,
+        "num_stages": log.num_stages,
+        "scheduler": (log.config.get("scheduler") or {}).get("policy"),
+        "steady_state": w.steady_state,
+        "steady_state_note": w.note,
+        "run": _span(analysis.run_start, analysis.run_end),
+        "window": _span(w.start, w.end),
+        "stages": stages,
+        "overall": _overall(analysis.stages, log),
+        "requests": request_summary(rows),
+    }
+
+
+def _span(start: float, end: float) -> dict[str, float]:
+    return {"start_s": start, "end_s": end, "duration_s": end - start}
+
+
+def _bubble_entry(
+    busy: float, window: float, bubbles: dict[str, float], fill: float, drain: float
+) -> dict[str, Any]:
+    idle = sum(bubbles.values())
+    return {
+        "busy_s": busy,
+        "idle_s": idle,
+        "window_s": window,
+        "bubble_fraction": idle / window if window > 0 else 0.0,
+        "bubbles_s": {c: bubbles[c] for c in BUBBLE_CLASSES},
+        "fill_s": fill,
+        "drain_s": drain,
+        "fill_drain_s": fill + drain,
+    }
+
+
+def _stage_entry(b: StageBubbles, events: tuple[StageEvent, ...]) -> dict[str, Any]:
+    entry = _bubble_entry(b.busy_s, b.window_s, b.bubbles_s, b.fill_s, b.drain_s)
+    return {"stage": b.stage_idx, **entry, "microbatches": microbatch_stats(events)}
+
+
+def _overall(stages: list[StageBubbles], log: RunLog) -> dict[str, Any]:
+    bubbles = {c: sum(b.bubbles_s[c] for b in stages) for c in BUBBLE_CLASSES}
+    entry = _bubble_entry(
+        sum(b.busy_s for b in stages),
+        sum(b.window_s for b in stages),
+        bubbles,
+        sum(b.fill_s for b in stages),
+        sum(b.drain_s for b in stages),
+    )
+    counts = {k: sum(1 for e in log.stages[0] if e.kind == k) for k in KINDS}
+    return {**entry, "num_microbatches": log.num_microbatches, "microbatches_by_kind": counts}
+
+
+def microbatch_stats(events: tuple[StageEvent, ...]) -> dict[str, dict[str, Any]]:
+    """Count, mean and coefficient of variation (std / mean) of compute time, by kind."""
+    groups: dict[str, list[float]] = {k: [] for k in (*KINDS, "all")}
+    for e in events:
+        d = e.compute_end - e.compute_start
+        groups["all"].append(d)
+        groups[e.kind].append(d)
+    return {kind: _mean_cv(xs) for kind, xs in groups.items()}
+
+
+def _mean_cv(xs: list[float]) -> dict[str, Any]:
+    if not xs:
+        return {"count": 0, "compute_mean_s": None, "compute_cv": None}
+    mean = sum(xs) / len(xs)
+    std = (sum((x - mean) ** 2 for x in xs) / len(xs)) ** 0.5  # population std
+    return {
+        "count": len(xs),
+        "compute_mean_s": mean,
+        "compute_cv": std / mean if mean > 0 else None,
+    }

@@ -1,0 +1,155 @@
+"""Plain-text tables of summaries: one run, or several side by side with ratios."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sarathi_pp.report.bubbles import BUBBLE_CLASSES
+
+DIST_ROWS = (
+    ("ttft", "ttft_s"),
+    ("tbt", "tbt_s"),
+    ("tpot", "tpot_s"),
+    ("e2e", "e2e_s"),
+    ("sched delay", "scheduling_delay_s"),
+)
+# (label, path into the summary, unit, word for "first run is smaller", for "larger")
+COMPARED = (
+    ("bubble fraction", ("overall", "bubble_fraction"), "", "fewer", "more"),
+    ("ttft p50", ("requests", "ttft_s", "p50"), "ms", "lower", "higher"),
+    ("ttft p99", ("requests", "ttft_s", "p99"), "ms", "lower", "higher"),
+    ("tbt p50", ("requests", "tbt_s", "p50"), "ms", "lower", "higher"),
+    ("tbt p99", ("requests", "tbt_s", "p99"), "ms", "lower", "higher"),
+    ("tpot p50", ("requests", "tpot_s", "p50"), "ms", "lower", "higher"),
+    ("e2e p50", ("requests", "e2e_s", "p50"), "ms", "lower", "higher"),
+    ("generated tokens/s", ("requests", "generated_tokens_per_s"), "", "lower", "higher"),
+    ("requests/s", ("requests", "requests_per_s"), "", "lower", "higher"),
+)
+
+
+def _get(summary: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        summary = summary.get(key) if isinstance(summary, dict) else None
+    return summary
+
+
+def fmt(v: float | None, unit: str = "") -> str:
+    if v is None:
+        return "-"
+    if unit == "ms":
+        return f"{v * 1e3:.2f} ms"
+    return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+
+
+def _pct(x: float, window: float) -> str:
+    return f"{x / window:.1%}" if window > 0 else "-"
+
+
+def _kinds(summary: dict[str, Any]) -> str:
+    o = summary["overall"]
+    by = ", ".join(f"{n} {k}" for k, n in o["microbatches_by_kind"].items())
+    return f"{o['num_microbatches']} micro-batches: {by}"
+
+
+def _bubble_rows(summary: dict[str, Any]) -> list[str]:
+    head = f"{'stage':<6}{'bubble':>8}" + "".join(f"{c:>11}" for c in BUBBLE_CLASSES)
+    lines = [head + f"{'fill+drain':>12}"]
+    entries = [(str(e["stage"]), e) for e in summary["stages"]] + [("all", summary["overall"])]
+    for name, e in entries:
+        cells = "".join(f"{_pct(e['bubbles_s'][c], e['window_s']):>11}" for c in BUBBLE_CLASSES)
+        lines.append(f"{name:<6}{e['bubble_fraction']:>8.1%}{cells}{e['fill_drain_s']:>11.4f}s")
+    lines.append(
+        "(bubble and classes: share of the stage's window; fill+drain: idle seconds outside it)"
+    )
+    return lines
+
+
+def _request_rows(req: dict[str, Any]) -> list[str]:
+    lines = [
+        f"requests: {req['num_requests']}, {req['num_generated_tokens']} tokens generated "
+        f"in {fmt(req['duration_s'])} s: {fmt(req['generated_tokens_per_s'])} tokens/s, "
+        f"{fmt(req['requests_per_s'])} requests/s"
+    ]
+    lines.append(
+        f"{'(ms)':<12}" + "".join(f"{k:>10}" for k in ("p50", "p90", "p99", "max", "mean"))
+    )
+    for label, key in DIST_ROWS:
+        d = req[key]
+        cells = "".join(
+            f"{'-' if d[k] is None else f'{d[k] * 1e3:.2f}':>10}"
+            for k in ("p50", "p90", "p99", "max", "mean")
+        )
+        lines.append(f"{label:<12}{cells}")
+    if req.get("tbt_source") == "tbt_mean_s":
+        lines.append("(tbt from per-request means: requests.csv has no token_times)")
+    return lines
+
+
+def format_run(name: str, summary: dict[str, Any]) -> str:
+    w = summary["window"]
+    lines = [
+        f"== {name} (scheduler {summary.get('scheduler') or '?'}, "
+        f"{summary['num_stages']} stages, {_kinds(summary)})"
+    ]
+    if summary["steady_state"]:
+        lines.append(
+            f"steady-state window {w['start_s']:.4f}-{w['end_s']:.4f} s "
+            f"({w['duration_s']:.4f} s); fill and drain reported apart"
+        )
+    else:
+        lines.append(summary["steady_state_note"])
+    return "\n".join(lines + _bubble_rows(summary) + _request_rows(summary["requests"]))
+
+
+def ratio_text(
+    label: str,
+    names: tuple[str, str],
+    values: tuple[float | None, float | None],
+    unit: str,
+    words: tuple[str, str],
+) -> str:
+    """``bubble fraction a 0.040 vs b 0.310: 7.8x fewer`` (``a`` relative to ``b``)."""
+    a, b = values
+    head = f"{label} {names[0]} {fmt(a, unit)} vs {names[1]} {fmt(b, unit)}"
+    if a is None or b is None:
+        return f"{head}: not comparable"
+    if a == b:
+        return f"{head}: the same"
+    word = words[0] if a < b else words[1]
+    small, large = sorted((abs(a), abs(b)))
+    if small == 0:
+        return f"{head}: {word} (one is zero)"
+    r = large / small
+    return f"{head}: {r:.2f}x {word}" if r < 2 else f"{head}: {r:.1f}x {word}"
+
+
+def format_comparison(names: list[str], summaries: list[dict[str, Any]]) -> str:
+    width = max(14, *(len(n) + 2 for n in names))
+    row = lambda label, cells: f"{label:<26}" + "".join(f"{c:>{width}}" for c in cells)  # noqa: E731
+    lines = [row("", names), row("scheduler", [s.get("scheduler") or "?" for s in summaries])]
+    for label, path, unit, *_ in COMPARED:
+        lines.append(row(label, [fmt(_get(s, path), unit) for s in summaries]))
+    num_stages = max(s["num_stages"] for s in summaries)
+    for i in range(num_stages):
+        lines.append(
+            row(
+                f"  stage {i} bubbles",
+                [
+                    f"{s['stages'][i]['bubble_fraction']:.3f}" if i < len(s["stages"]) else "-"
+                    for s in summaries
+                ],
+            )
+        )
+    for c in BUBBLE_CLASSES:
+        lines.append(
+            row(
+                f"  {c} (of window)",
+                [_pct(s["overall"]["bubbles_s"][c], s["overall"]["window_s"]) for s in summaries],
+            )
+        )
+    for other, s in zip(names[1:], summaries[1:], strict=True):
+        lines.append(f"{names[0]} vs {other}:")
+        for label, path, unit, low, high in COMPARED:
+            values = (_get(summaries[0], path), _get(s, path))
+            lines.append("  " + ratio_text(label, (names[0], other), values, unit, (low, high)))
+    return "\n".join(lines)

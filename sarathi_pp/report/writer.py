@@ -1,0 +1,92 @@
+"""Rebuild a run dir's report files from ``events.jsonl`` and ``requests.csv``:
+``summary.json``, ``trace.json`` and ``timeline.png``."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sarathi_pp.report.bubbles import BubbleAnalysis, analyze
+from sarathi_pp.report.log import RunLog, load_log
+from sarathi_pp.report.request_metrics import load_requests
+from sarathi_pp.report.summary import build_summary
+from sarathi_pp.report.trace import build_trace
+
+EVENTS_FILE = "events.jsonl"
+REQUESTS_FILE = "requests.csv"
+SUMMARY_FILE = "summary.json"
+TRACE_FILE = "trace.json"
+TIMELINE_FILE = "timeline.png"
+
+
+@dataclass(frozen=True)
+class RunReport:
+    run_dir: Path
+    log: RunLog
+    analysis: BubbleAnalysis
+    summary: dict[str, Any]
+
+
+def check_run_dir(run_dir: str | Path) -> Path:
+    d = Path(run_dir)
+    if not d.exists():
+        raise FileNotFoundError(f"run dir {str(d)!r} does not exist")
+    if not d.is_dir():
+        raise ValueError(f"run dir {str(d)!r} is not a directory")
+    return d
+
+
+def analyze_run(run_dir: str | Path) -> RunReport:
+    """Read and analyse a run dir; errors name the missing or bad file."""
+    d = check_run_dir(run_dir)
+    log = load_log(d / EVENTS_FILE)
+    rows = load_requests(d / REQUESTS_FILE)
+    analysis = analyze(log)
+    return RunReport(d, log, analysis, build_summary(log, analysis, rows))
+
+
+def write_files(report: RunReport, plot: bool = True) -> list[Path]:
+    """Write summary.json, trace.json and (when ``plot`` and matplotlib is there)
+    timeline.png into the run dir; the paths written."""
+    d = report.run_dir
+    written = [d / SUMMARY_FILE, d / TRACE_FILE]
+    (d / SUMMARY_FILE).write_text(json.dumps(report.summary, indent=2, allow_nan=False) + "\n")
+    (d / TRACE_FILE).write_text(json.dumps(build_trace(report.log, report.analysis)))
+    if plot:
+        try:
+            from sarathi_pp.report.timeline import draw_timeline
+
+            draw_timeline(
+                report.log, report.analysis, d / TIMELINE_FILE, title=timeline_title(report)
+            )
+            written.append(d / TIMELINE_FILE)
+        except ImportError:
+            warnings.warn(
+                "matplotlib is not installed: no timeline.png (pip install 'sarathi-pp[plots]')",
+                stacklevel=2,
+            )
+    return written
+
+
+def timeline_title(report: RunReport) -> str:
+    s = report.summary
+    state = "steady state" if s["steady_state"] else "whole run (too short for a steady state)"
+    return (
+        f"{report.run_dir.name}: scheduler {s.get('scheduler') or '?'}, "
+        f"{s['num_stages']} stages, {s['overall']['num_microbatches']} micro-batches; "
+        f"bubble fraction {s['overall']['bubble_fraction']:.1%} over the {state}"
+    )
+
+
+def write_report(run_dir: str | Path, plot: bool = True) -> dict[str, Any]:
+    """Rebuild ``summary.json``, ``trace.json`` and ``timeline.png`` in ``run_dir`` from its
+    ``events.jsonl`` and ``requests.csv``; returns the summary.
+
+    ``FileNotFoundError`` / ``ValueError`` naming the file when one is missing or invalid.
+    """
+    report = analyze_run(run_dir)
+    write_files(report, plot=plot)
+    return report.summary

@@ -1,0 +1,350 @@
+"""Bubble attribution on hand-made event logs with known gaps (see report/bubbles.py)."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+
+from sarathi_pp.report.bubbles import (
+    BUBBLE_CLASSES,
+    BUSY,
+    BubbleAnalysis,
+    Segment,
+    analyze,
+    pass_down,
+    pb_class,
+)
+from sarathi_pp.report.log import parse_log
+from sarathi_pp.report.synthetic import MB, SimConfig, mixed_compute_s, mixed_workload, simulate
+
+TOKENS = {"prefill": (8, 0), "decode": (0, 2), "hybrid": (6, 2)}
+
+
+def header(num_stages: int) -> dict:
+    return {
+        "type": "header",
+        "schema_version": 1,
+        "num_stages": num_stages,
+        "t0": 0.0,
+        "config": {},
+    }
+
+
+def st(
+    stage: int,
+    mb: int,
+    kind: str,
+    cs: float,
+    ce: float,
+    se: float | None = None,
+    ready: float | None = None,
+) -> dict:
+    p, d = TOKENS[kind]
+    return {
+        "type": "stage",
+        "stage": stage,
+        "mb": mb,
+        "kind": kind,
+        "num_prefill_tokens": p,
+        "num_decode_tokens": d,
+        "wait_start": cs if ready is None else ready,
+        "input_ready": cs if ready is None else ready,
+        "compute_start": cs,
+        "compute_end": ce,
+        "send_end": ce if se is None else se,
+    }
+
+
+def run(records: list[dict]) -> BubbleAnalysis:
+    a = analyze(parse_log(records, "test/events.jsonl"))
+    check_exact(a)
+    return a
+
+
+def check_exact(a: BubbleAnalysis) -> None:
+    """Every stage: busy + idle == window, classes sum to idle, segments contiguous."""
+    for b, segs in zip(a.stages, a.segments, strict=True):
+        assert b.busy_s + b.idle_s == pytest.approx(a.window.duration, abs=1e-9)
+        assert sum(b.bubbles_s.values()) == pytest.approx(b.idle_s, abs=1e-9)
+        assert set(b.bubbles_s) == set(BUBBLE_CLASSES)
+        assert segs[0].start == a.run_start and segs[-1].end == a.run_end
+        assert all(x.end == y.start for x, y in pairwise(segs))
+        assert all(s.end >= s.start for s in segs)
+
+
+def only(bubbles: dict[str, float], **expected: float) -> None:
+    """``bubbles`` has exactly ``expected`` (others zero), to 1e-9."""
+    for c in BUBBLE_CLASSES:
+        assert bubbles[c] == pytest.approx(expected.get(c, 0.0), abs=1e-9), c
+
+
+def two_stage(kinds: list[str]) -> list[dict]:
+    """Stage 0 computes each micro-batch in 1 s back to back; stage 1 in 0.5 s as soon as
+    stage 0 is done, so stage 1 waits 0.5 s for each micro-batch after the first."""
+    recs = [header(2)]
+    for j, k in enumerate(kinds):
+        recs += [st(0, j, k, j, j + 1), st(1, j, k, j + 1, j + 1.5)]
+    return recs
+
+
+# --- the PB classes -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("prev", "kind", "cls"),
+    [
+        ("prefill", "prefill", "PB1"),
+        ("decode", "decode", "PB3"),
+        ("prefill", "decode", "PB2"),
+        ("decode", "prefill", "PB2"),
+        ("hybrid", "decode", "hybrid"),
+        ("prefill", "hybrid", "hybrid"),
+        ("hybrid", "hybrid", "hybrid"),
+        (None, "decode", "PB3"),
+        (None, "hybrid", "hybrid"),
+    ],
+)
+def test_pb_class(prev, kind, cls):
+    assert pb_class(prev, kind) == cls
+
+
+@pytest.mark.parametrize(
+    ("kinds", "expected"),
+    [
+        (["prefill", "prefill", "prefill"], {"PB1": 1.0}),
+        (["decode", "decode", "decode"], {"PB3": 1.0}),
+        (["prefill", "decode", "prefill"], {"PB2": 1.0}),
+        (["decode", "hybrid", "decode"], {"hybrid": 1.0}),
+        (["prefill", "prefill", "decode"], {"PB1": 0.5, "PB2": 0.5}),
+        (["hybrid", "prefill", "prefill"], {"hybrid": 0.5, "PB1": 0.5}),
+    ],
+)
+def test_pb_bubbles_on_stage_1(kinds, expected):
+    a = run(two_stage(kinds))
+    assert (a.window.start, a.window.end, a.window.steady_state) == (1.0, 3.0, True)
+    only(a.stages[0].bubbles_s)  # stage 0 computes throughout the window
+    assert a.stages[0].busy_s == pytest.approx(2.0)
+    only(a.stages[1].bubbles_s, **expected)
+    assert a.stages[1].busy_s == pytest.approx(1.0)
+    assert a.stages[1].idle_s / a.stages[1].window_s == pytest.approx(0.5)
+
+
+# --- comm -----------------------------------------------------------------------------------
+def test_comm_send_and_transfer():
+    # stage 0 sends for 0.25 s after each compute; the hidden states reach stage 1 0.25 s
+    # after that, so stage 1 starts 0.5 s after stage 0's compute_end.
+    recs = [header(2)]
+    for j in range(3):
+        cs = j * 1.25
+        recs.append(st(0, j, "prefill", cs, cs + 1, cs + 1.25))
+        recs.append(st(1, j, "prefill", cs + 1.5, cs + 1.75, ready=cs + 1.5))
+    a = run(recs)
+    assert (a.window.start, a.window.end) == (1.5, 3.5)
+    only(a.stages[0].bubbles_s, comm=0.25)
+    assert a.stages[0].busy_s == pytest.approx(1.75)
+    # waits for mb 1 [1.75, 2.75] and mb 2 [3.0, 4.0]: PB1 while stage 0 computes, comm after
+    only(a.stages[1].bubbles_s, PB1=1.0, comm=0.5)
+    assert a.stages[1].busy_s == pytest.approx(0.5)
+
+
+# --- scheduler classes on stage 0 and passed down -------------------------------------------
+def scheduler_gap_log() -> list[dict]:
+    """Stage 0 waits for mb 1 over [1, 2.75]: dependency [1, 1.5], no_work [1.5, 2], the plan
+    issued at 2.25 reaches the stage at 2.5 and compute starts at 2.75."""
+    return [
+        header(2),
+        {
+            "type": "issue",
+            "mb": 0,
+            "t": 0.0,
+            "kind": "decode",
+            "num_prefill_tokens": 0,
+            "num_decode_tokens": 2,
+        },
+        st(0, 0, "decode", 0.0, 1.0),
+        {"type": "idle", "start": 1.0, "end": 1.5, "reason": "dependency"},
+        {"type": "idle", "start": 1.5, "end": 2.0, "reason": "no_work"},
+        {
+            "type": "issue",
+            "mb": 1,
+            "t": 2.25,
+            "kind": "decode",
+            "num_prefill_tokens": 0,
+            "num_decode_tokens": 2,
+        },
+        st(0, 1, "decode", 2.75, 3.75, ready=2.5),
+        st(0, 2, "decode", 3.75, 4.75),
+        st(1, 0, "decode", 1.0, 1.25),
+        st(1, 1, "decode", 4.0, 5.0, ready=4.0),
+        st(1, 2, "decode", 5.0, 6.0),
+    ]
+
+
+def test_scheduler_classes_on_stage_0():
+    a = run(scheduler_gap_log())
+    assert (a.window.start, a.window.end) == (1.0, 4.75)
+    only(a.stages[0].bubbles_s, dependency=0.5, no_work=0.5, schedule=0.75)
+    assert a.stages[0].busy_s == pytest.approx(2.0)
+
+
+def test_scheduler_classes_passed_down():
+    a = run(scheduler_gap_log())
+    # stage 1 waits for mb 1 over [1.25, 4.0]; stage 0 ends mb 1 at 3.75, then 0.25 s comm.
+    # Before that (2.5 s): stage 0's whole 1.75 s scheduler gap, then PB3 for the 0.75 s
+    # stage 0's mb 1 (1 s) took beyond stage 1's mb 0 (0.25 s).
+    only(a.stages[1].bubbles_s, dependency=0.5, no_work=0.5, schedule=0.75, PB3=0.75, comm=0.25)
+    gap = [s for s in a.segments[1] if s.mb == 1 and s.label != BUSY]
+    assert [(s.start, s.label) for s in gap] == [
+        (1.25, "dependency"),
+        (1.75, "no_work"),
+        (2.25, "schedule"),
+        (2.75, "schedule"),
+        (3.0, "PB3"),
+        (3.75, "comm"),
+    ]
+
+
+def test_scheduler_gap_reaches_every_stage_of_a_balanced_pipeline():
+    # 3 stages, 1 s per compute, a 2 s no_work gap before mb 2 on stage 0: every stage
+    # idles exactly 2 s for it (one compute later per stage) and no PB bubble appears.
+    cfg = SimConfig(num_stages=3, compute_s=lambda s, mb: 1.0, idle_before={2: ("no_work", 2.0)})
+    a = run(simulate([MB("decode", 0, 1)] * 4, cfg))
+    assert (a.window.start, a.window.end) == (2.0, 6.0)
+    for b in a.stages:
+        only(b.bubbles_s, no_work=2.0)
+        assert b.busy_s == pytest.approx(2.0)
+
+
+def test_gap_absorbed_by_a_busy_stage_is_not_passed_down():
+    # stage 1 is still computing mb 0 for most of stage 0's 2 s gap: it idles 0.5 s only.
+    recs = [
+        header(2),
+        st(0, 0, "decode", 0, 1),
+        {"type": "idle", "start": 1.0, "end": 3.0, "reason": "dependency"},
+        st(0, 1, "decode", 3, 4),
+        st(0, 2, "decode", 4, 5),
+        st(1, 0, "decode", 1, 3.5),
+        st(1, 1, "decode", 4, 5),
+        st(1, 2, "decode", 5, 6),
+    ]
+    a = run(recs)
+    only(a.stages[1].bubbles_s, dependency=0.5)
+
+
+def test_pass_down_keeps_the_latest_part():
+    spans = [Segment(0, 1, "no_work", 3), Segment(1, 3, "schedule", 3)]
+    assert pass_down(10, 11.5, spans, "PB1", 3) == [Segment(10, 11.5, "schedule", 3)]
+    assert pass_down(10, 14, spans, "PB1", 3) == [
+        Segment(10, 11, "no_work", 3),
+        Segment(11, 13, "schedule", 3),
+        Segment(13, 14, "PB1", 3),
+    ]
+    assert pass_down(10, 10, spans, "PB1", 3) == []
+
+
+# --- window, fill and drain -----------------------------------------------------------------
+def test_fill_and_drain_apart():
+    a = run(two_stage(["prefill"] * 3))
+    assert (a.run_start, a.run_end) == (0.0, 3.5)
+    # stage 0: drain (3, 3.5] idle after its last send; stage 1: fill [0, 1) before mb 0
+    assert (a.stages[0].fill_s, a.stages[0].drain_s) == (0.0, 0.5)
+    assert (a.stages[1].fill_s, a.stages[1].drain_s) == (1.0, 0.0)
+    assert a.stages[1].idle_s == pytest.approx(1.0)  # the fill is not in the window's idle
+
+
+def test_run_starts_at_the_first_issue():
+    recs = two_stage(["decode"] * 3)
+    recs.insert(
+        1,
+        {
+            "type": "issue",
+            "mb": 0,
+            "t": -0.5,
+            "kind": "decode",
+            "num_prefill_tokens": 0,
+            "num_decode_tokens": 2,
+        },
+    )
+    a = run(recs)
+    assert a.run_start == -0.5
+    assert a.stages[0].fill_s == pytest.approx(0.5)  # issue -> compute: schedule, in the fill
+    assert a.segments[0][0] == Segment(-0.5, 0.0, "schedule", 0)
+
+
+def test_too_short_for_a_steady_state():
+    # one micro-batch through two stages: no moment when both are in steady state
+    recs = [
+        header(2),
+        st(0, 0, "prefill", 0, 1),
+        {"type": "idle", "start": 1.0, "end": 2.0, "reason": "dependency"},
+        st(1, 0, "prefill", 1, 2),
+    ]
+    a = run(recs)
+    assert not a.window.steady_state
+    assert "too short" in a.window.note
+    assert (a.window.start, a.window.end) == (0.0, 2.0)  # the whole run
+    only(a.stages[0].bubbles_s, dependency=1.0)
+    only(a.stages[1].bubbles_s, PB1=1.0)
+    for b in a.stages:
+        assert b.busy_s == pytest.approx(1.0)
+        assert b.fill_s == b.drain_s == 0.0
+
+
+def test_single_stage():
+    a = run([header(1), st(0, 0, "prefill", 0, 1), st(0, 1, "decode", 1.5, 2)])
+    assert a.window.steady_state and (a.window.start, a.window.end) == (0.0, 2.0)
+    only(a.stages[0].bubbles_s, schedule=0.5)
+
+
+@pytest.mark.parametrize("num_stages", [2, 3, 4])
+def test_exact_accounting_on_a_long_mixed_run(num_stages):
+    gaps = {j: ("dependency" if j % 2 else "no_work", 0.003) for j in range(5, 200, 17)}
+    cfg = SimConfig(
+        num_stages=num_stages,
+        compute_s=mixed_compute_s,
+        send_s=1e-4,
+        transfer_s=2e-4,
+        overhead_s=3e-4,
+        idle_before=gaps,
+    )
+    a = run(simulate(mixed_workload(200, seed=num_stages), cfg))
+    assert a.window.steady_state
+    for b in a.stages:
+        assert 0 < b.idle_s < b.window_s
+        assert b.bubbles_s["comm"] > 0
+
+
+# --- errors name the file -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("records", "match"),
+    [
+        ([header(2)], "no stage records"),
+        ([header(2), st(0, 0, "prefill", 0, 1)], "stages 0 and 1 ran different micro-batches"),
+        (
+            [header(1), st(0, 0, "prefill", 0, 1), st(0, 1, "prefill", 0.5, 2)],
+            "before micro-batch 0 ends",
+        ),
+        ([header(1), {**st(0, 0, "prefill", 0, 1), "kind": "mixed"}], "kind must be one of"),
+        (
+            [header(1), st(0, 0, "prefill", 0, 1, se=0.5)],
+            "compute_start <= compute_end <= send_end",
+        ),
+        ([header(1), st(3, 0, "prefill", 0, 1)], "stage 3 is out of range"),
+        (
+            [header(1), {k: v for k, v in st(0, 0, "prefill", 0, 1).items() if k != "compute_end"}],
+            "lacks compute_end",
+        ),
+        (
+            [
+                header(1),
+                st(0, 0, "prefill", 0, 1),
+                {"type": "idle", "start": 0, "end": 1, "reason": "bored"},
+            ],
+            "idle reason must be one of",
+        ),
+        ([{**header(1), "num_stages": 0}], "num_stages"),
+    ],
+)
+def test_invalid_logs(records, match):
+    with pytest.raises(ValueError, match=match) as info:
+        parse_log(records, "test/events.jsonl")
+    assert "test/events.jsonl" in str(info.value)

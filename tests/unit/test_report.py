@@ -1,0 +1,283 @@
+"""The report files (summary.json, trace.json, timeline.png), request metrics, the text
+tables and comparison, ``sarathi-pp report`` and its errors, on synthetic run dirs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from sarathi_pp.report import write_report
+from sarathi_pp.report.bubbles import BUBBLE_CLASSES
+from sarathi_pp.report.cli import add_report_parser, run_names
+from sarathi_pp.report.request_metrics import distribution, load_requests, request_summary
+from sarathi_pp.report.synthetic import (
+    MB,
+    SimConfig,
+    request_rows,
+    simulate,
+    write_demo_run,
+    write_events,
+    write_requests,
+)
+from sarathi_pp.report.text import format_comparison, ratio_text
+from sarathi_pp.run_dir import REQUEST_COLUMNS
+
+DIST_KEYS = {"p50", "p90", "p99", "max", "mean"}
+
+
+@pytest.fixture
+def demo_run(tmp_path: Path) -> Path:
+    return write_demo_run(tmp_path / "demo", num_stages=2, num_microbatches=60)
+
+
+def sim_run(d: Path, mbs: list[MB], cfg: SimConfig, num_requests: int = 4) -> Path:
+    d.mkdir(parents=True)
+    write_events(d / "events.jsonl", simulate(mbs, cfg))
+    write_requests(d / "requests.csv", request_rows(num_requests))
+    return d
+
+
+# --- summary.json ---------------------------------------------------------------------------
+def test_summary_keys(demo_run: Path):
+    summary = write_report(demo_run)
+    assert json.loads((demo_run / "summary.json").read_text()) == summary
+    assert summary["steady_state"] is True and summary["steady_state_note"]
+    assert len(summary["stages"]) == summary["num_stages"] == 2
+    entry_keys = {"busy_s", "idle_s", "bubble_fraction", "bubbles_s", "fill_drain_s"}
+    for e in [*summary["stages"], summary["overall"]]:
+        assert entry_keys <= e.keys()
+        assert list(e["bubbles_s"]) == list(BUBBLE_CLASSES)
+        assert e["busy_s"] + e["idle_s"] == pytest.approx(e["window_s"], abs=1e-9)
+        assert sum(e["bubbles_s"].values()) == pytest.approx(e["idle_s"], abs=1e-9)
+    o = summary["overall"]
+    assert o["bubble_fraction"] == pytest.approx(o["idle_s"] / o["window_s"])
+    assert o["idle_s"] == pytest.approx(sum(e["idle_s"] for e in summary["stages"]))
+    assert sum(o["microbatches_by_kind"].values()) == o["num_microbatches"] == 60
+    mbs = summary["stages"][1]["microbatches"]
+    assert mbs["all"]["count"] == 60 and mbs["all"]["compute_cv"] > 0
+
+
+def test_summary_requests(demo_run: Path):
+    req = write_report(demo_run, plot=False)["requests"]
+    for key in ("ttft_s", "tbt_s", "tpot_s", "e2e_s", "scheduling_delay_s"):
+        assert set(req[key]) == DIST_KEYS
+        assert req[key]["p50"] <= req[key]["p90"] <= req[key]["p99"] <= req[key]["max"]
+    assert req["num_requests"] == 15 and req["tbt_source"] == "token_times"
+    assert req["generated_tokens_per_s"] > 0 and req["requests_per_s"] > 0
+
+
+def test_too_short_run_says_so(tmp_path: Path):
+    d = sim_run(tmp_path / "short", [MB("prefill", 8)], SimConfig(num_stages=3))
+    summary = write_report(d, plot=False)
+    assert summary["steady_state"] is False and "too short" in summary["steady_state_note"]
+    assert summary["window"] == summary["run"]
+    assert summary["overall"]["fill_drain_s"] == 0.0
+
+
+# --- request metrics ------------------------------------------------------------------------
+def rows_csv(path: Path, rows: list[dict], token_times: bool = True) -> list:
+    columns = [c for c in REQUEST_COLUMNS if token_times or c != "token_times"]
+    write_requests(path, rows, columns)
+    return load_requests(path)
+
+
+def test_tbt_pools_every_gap(tmp_path: Path):
+    rows = request_rows(2, num_tokens=3)
+    rows[0]["token_times"] = "0.5 0.75 1.25"  # gaps 0.25, 0.5
+    rows[1]["token_times"] = "0.25 1.25 1.5"  # gaps 1.0, 0.25
+    req = request_summary(rows_csv(tmp_path / "r.csv", rows))
+    assert req["tbt_s"]["max"] == 1.0 and req["tbt_s"]["mean"] == pytest.approx(0.5)
+    assert req["tbt_s"]["p50"] == pytest.approx(0.375)
+
+
+def test_tbt_without_token_times(tmp_path: Path):
+    rows = request_rows(3, num_tokens=5)
+    req = request_summary(rows_csv(tmp_path / "r.csv", rows, token_times=False))
+    assert req["tbt_source"] == "tbt_mean_s"
+    assert req["tbt_s"]["max"] == pytest.approx(max(r["tbt_max_s"] for r in rows))
+    assert req["tbt_s"]["mean"] == pytest.approx(sum(r["tbt_mean_s"] for r in rows) / 3)
+
+
+def test_tpot_leaves_out_one_token_requests(tmp_path: Path):
+    rows = request_rows(2, num_tokens=3)
+    rows[1].update(num_output_tokens=1, token_times="0.5")
+    r0 = rows[0]
+    req = request_summary(rows_csv(tmp_path / "r.csv", rows))
+    assert req["tpot_s"]["mean"] == pytest.approx((r0["e2e_s"] - r0["ttft_s"]) / 2)
+    assert req["num_requests"] == 2
+
+
+def test_distribution():
+    d = distribution([float(x) for x in range(101)])
+    assert (d["p50"], d["p90"], d["p99"], d["max"], d["mean"]) == (50, 90, 99, 100, 50)
+    assert distribution([]) == dict.fromkeys(("p50", "p90", "p99", "max", "mean"))
+
+
+# --- trace.json -----------------------------------------------------------------------------
+def test_trace(demo_run: Path):
+    summary = write_report(demo_run, plot=False)
+    trace = json.loads((demo_run / "trace.json").read_text())
+    events = trace["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {"stage 0", "stage 1", "scheduler"}
+    pids = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
+    compute = [e for e in events if e["ph"] == "X" and e.get("cat") == "compute"]
+    for s in range(2):
+        mine = [e for e in compute if e["pid"] == pids[f"stage {s}"]]
+        assert sorted(e["args"]["mb"] for e in mine) == list(range(60))
+    for e in compute:
+        assert e["dur"] >= 0 and isinstance(e["ts"], float)
+        assert e["name"] == f"mb {e['args']['mb']} {e['args']['kind']}"
+        assert {"num_prefill_tokens", "num_decode_tokens"} <= e["args"].keys()
+    bubbles = [e for e in events if e["ph"] == "X" and e.get("cat") == "bubble"]
+    assert {e["name"] for e in bubbles} <= set(BUBBLE_CLASSES)
+    steady = sum(
+        e["dur"] for e in bubbles if e["pid"] == pids["stage 1"] and e["args"]["phase"] == "steady"
+    )
+    assert steady == pytest.approx(summary["stages"][1]["idle_s"] * 1e6, rel=1e-9)
+    issues = [e for e in events if e["ph"] == "i" and e["cat"] == "issue"]
+    assert len(issues) == 60 and all(e["pid"] == pids["scheduler"] for e in issues)
+
+
+# --- timeline.png ---------------------------------------------------------------------------
+def test_timeline_png(demo_run: Path):
+    pytest.importorskip("matplotlib")
+    write_report(demo_run)
+    data = (demo_run / "timeline.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+# --- comparison -----------------------------------------------------------------------------
+def test_ratio_text():
+    assert (
+        ratio_text("bubble fraction", ("sarathi", "vllm"), (0.04, 0.31), "", ("fewer", "more"))
+        == "bubble fraction sarathi 0.040 vs vllm 0.310: 7.8x fewer"
+    )
+    assert ratio_text("x", ("a", "b"), (2.0, 1.0), "", ("lower", "higher")).endswith("2.0x higher")
+    assert ratio_text("x", ("a", "b"), (0.0, 1.0), "", ("fewer", "more")).endswith("(one is zero)")
+    assert ratio_text("x", ("a", "b"), (None, 1.0), "", ("fewer", "more")).endswith(
+        "not comparable"
+    )
+
+
+def two_runs(tmp_path: Path) -> tuple[Path, Path]:
+    """``sarathi``: 4 hybrids of equal cost; ``vllm``: decodes and prefills alternating
+    (stage 1 waits for each prefill after a decode: PB2)."""
+    balanced = sim_run(
+        tmp_path / "sarathi",
+        [MB("hybrid", 6, 2)] * 4,
+        SimConfig(compute_s=lambda s, mb: 1.0, overhead_s=0.02),
+    )
+    costs = {"prefill": 2.0, "decode": 0.5}
+    mixed = sim_run(
+        tmp_path / "vllm",
+        [MB("decode", 0, 2), MB("prefill", 8)] * 2,
+        SimConfig(compute_s=lambda s, mb: costs[mb.kind]),
+    )
+    return balanced, mixed
+
+
+def test_comparison_text(tmp_path: Path):
+    a, b = two_runs(tmp_path)
+    sa, sb = write_report(a, plot=False), write_report(b, plot=False)
+    fa, fb = sa["overall"]["bubble_fraction"], sb["overall"]["bubble_fraction"]
+    assert fa > 0 and fb / fa > 2
+    text = format_comparison(["sarathi", "vllm"], [sa, sb])
+    assert f"bubble fraction sarathi {fa:.3f} vs vllm {fb:.3f}: {fb / fa:.1f}x fewer" in text
+    assert "sarathi vs vllm:" in text and "tbt p99" in text
+
+
+# --- the CLI --------------------------------------------------------------------------------
+def cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="sarathi-pp")
+    add_report_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["report", *argv])
+    return args.func(args)
+
+
+def test_cli_one_run(demo_run: Path, capsys):
+    assert cli(str(demo_run)) == 0
+    out = capsys.readouterr().out
+    assert "== demo" in out and "bubble" in out and "ttft" in out
+    assert {"summary.json", "trace.json", "timeline.png"} <= {p.name for p in demo_run.iterdir()}
+
+
+def test_cli_compares_runs(tmp_path: Path, capsys):
+    a, b = two_runs(tmp_path)
+    assert cli(str(a), str(b), "--no-write") == 0
+    out = capsys.readouterr().out
+    assert "bubble fraction sarathi" in out and "x fewer" in out
+    assert not (a / "summary.json").exists()
+
+
+def test_run_names():
+    assert run_names(["runs/a", "other/b/"]) == ["a", "b"]
+    assert run_names(["x/a", "y/a"]) == ["x/a", "y/a"]
+
+
+# --- errors name the file -------------------------------------------------------------------
+def broken(d: Path, name: str, text: str | None) -> Path:
+    if text is None:
+        (d / name).unlink()
+    else:
+        (d / name).write_text(text)
+    return d / name
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "error", "match"),
+    [
+        ("events.jsonl", None, FileNotFoundError, "no event log"),
+        (
+            "events.jsonl",
+            '{"type": "header", "schema_version": 1, "num_stages": 2}\n{oops\n',
+            ValueError,
+            r"events.jsonl:2: not valid JSON",
+        ),
+        ("events.jsonl", "", ValueError, "header"),
+        ("requests.csv", None, FileNotFoundError, "no request metrics"),
+        ("requests.csv", "", ValueError, "empty file"),
+        ("requests.csv", "request_id,arrival_s\n0,0.0\n", ValueError, "missing column"),
+    ],
+)
+def test_bad_files(demo_run: Path, name, text, error, match):
+    path = broken(demo_run, name, text)
+    with pytest.raises(error, match=match) as info:
+        write_report(demo_run)
+    assert str(path) in str(info.value)
+
+
+def test_bad_request_value(demo_run: Path):
+    text = (demo_run / "requests.csv").read_text().splitlines()
+    text[2] = text[2].replace(",length,", ",length,", 1).replace(",0.05,", ",soon,", 1)
+    path = broken(demo_run, "requests.csv", "\n".join(text) + "\n")
+    with pytest.raises(ValueError, match=r"requests.csv:3: column 'arrival_s': 'soon'"):
+        write_report(demo_run)
+    assert path.exists()
+
+
+def test_missing_run_dir(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="run dir .*nope.* does not exist"):
+        write_report(tmp_path / "nope")
+
+
+def test_cli_usage_error(tmp_path: Path):
+    from sarathi_pp.launch.cli import UsageError
+
+    with pytest.raises(UsageError, match="nope"):
+        cli(str(tmp_path / "nope"))
+
+
+def test_main_exits_2_naming_the_file(tmp_path: Path, capsys):
+    from sarathi_pp.launch import cli as launch_cli
+
+    if "report" not in launch_cli.build_parser()._subparsers._group_actions[0].choices:
+        pytest.skip("the report subcommand is not registered in sarathi_pp.launch.cli yet")
+    with pytest.raises(SystemExit) as info:
+        launch_cli.main(["report", str(tmp_path / "nope")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sarathi-pp: error: ") and "nope" in err and "Traceback" not in err
