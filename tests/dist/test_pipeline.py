@@ -133,3 +133,30 @@ def test_torchrun_world_size_must_match(llama_dir):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "torchrun started 2 processes but pipeline_parallel_size=1" in proc.stderr
+
+
+def test_pp2_run_dir_records_every_microbatch_on_every_stage(ray_cluster, llama_dir, tmp_path):
+    from sarathi_pp.events import read_events
+
+    run = tmp_path / "run"
+    prompts = make_prompts(lens=(30, 90, 60, 120, 10, 75), seed=6)
+    with LLM(str(llama_dir), pipeline_parallel_size=2, max_model_len=256, chunk_size=32,
+             tile_size=16, run_dir=str(run)) as llm:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    for name in ("config.yaml", "events.jsonl", "requests.csv", "summary.json", "trace.json", "timeline.png"):
+        assert (run / name).is_file() and (run / name).stat().st_size > 0, name
+    records = read_events(run / "events.jsonl")
+    issued = sorted(r["mb"] for r in records if r["type"] == "issue")
+    assert issued == list(range(len(issued))) and len(issued) > 10
+    for stage in (0, 1):
+        seen = sorted(r["mb"] for r in records if r["type"] == "stage" and r["stage"] == stage)
+        assert seen == issued, stage  # every micro-batch once per stage
+    trace = json.loads((run / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert spans and all({"name", "ts", "dur", "pid", "tid"} <= set(e) for e in spans)
+    summary = json.loads((run / "summary.json").read_text())
+    for s in summary["stages"]:
+        window = s["busy_s"] + s["idle_s"]
+        assert abs(sum(s["bubbles_s"].values()) - s["idle_s"]) < 1e-6
+        assert 0 < s["busy_s"] < window
+    assert summary["requests"]["num_requests"] == len(prompts)
