@@ -29,8 +29,11 @@ $(DEV_STAMP): $(STAMP)
 	$(PY) -m pip install -e ".[test,dev]"
 	touch $@
 
+# A PP=2 run (two Ray stage actors) on the embedded model that ends with its bubble report.
 demo: venv
-	$(VENV)/bin/sarathi-pp generate --config configs/tiny-llama.yaml --prompt "Hello" --max-tokens 32
+	$(VENV)/bin/sarathi-pp generate --config configs/tiny-llama-pp2.yaml \
+		--prompts-file configs/demo-prompts.txt --max-tokens 32 --run-dir runs/demo --overwrite
+	$(VENV)/bin/sarathi-pp report runs/demo
 
 test: venv
 	$(PY) -m pytest -q
