@@ -30,7 +30,7 @@ class PrefillSlice:
     row_start: int
     row_end: int
     start: int  # position of the chunk's first token = tokens already cached before it
-    context_slots: torch.Tensor  # [start + len] slots of positions 0 .. end-1
+    context_blocks: torch.Tensor  # [ceil(end / block_size)] blocks holding positions 0 .. end-1
 
 
 @dataclass
@@ -41,8 +41,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each row's new K/V goes
     num_prefill_tokens: int
     prefills: list[PrefillSlice]
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context] padded slot ids
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] True = attend
+    decode_blocks: torch.Tensor | None  # [num_decodes, max_blocks] padded block tables
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] True = attend
     # For flash-attn: block tables and lengths (built only when that backend is used).
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor | None = None  # [num_seqs] int32
@@ -83,37 +83,49 @@ class TorchAttention:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         for p in meta.prefills:
-            out[p.row_start : p.row_end] = self._prefill(q, k, v, k_cache, v_cache, p)
-        if meta.decode_slots is not None:
+            out[p.row_start : p.row_end] = self._prefill(q, k, v, k_cache, v_cache, p, meta.block_size)
+        if meta.decode_blocks is not None:
             out[meta.num_prefill_tokens :] = self._decode(
                 q[meta.num_prefill_tokens :], k_cache, v_cache, meta
             )
         return out.view(q.shape[0], -1)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillSlice) -> torch.Tensor:
+    def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillSlice, block_size: int) -> torch.Tensor:
         qc = q[p.row_start : p.row_end].transpose(0, 1)  # [heads, len, head_dim]
         if p.start == 0:  # first chunk: its own K/V is all the context
             kc = k[p.row_start : p.row_end].transpose(0, 1)
             vc = v[p.row_start : p.row_end].transpose(0, 1)
             o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
-            kc = k_cache[p.context_slots].transpose(0, 1)  # [kv_heads, context, head_dim]
-            vc = v_cache[p.context_slots].transpose(0, 1)
             n = p.row_end - p.row_start
-            q_pos = torch.arange(p.start, p.start + n, device=q.device)
-            k_pos = torch.arange(p.start + n, device=q.device)
+            end = p.start + n
+            kc = gather_blocks(k_cache, p.context_blocks, block_size)[:end].transpose(0, 1)
+            vc = gather_blocks(v_cache, p.context_blocks, block_size)[:end].transpose(0, 1)
+            q_pos = torch.arange(p.start, end, device=q.device)
+            k_pos = torch.arange(end, device=q.device)
             mask = k_pos[None, :] <= q_pos[:, None]  # [len, context] causal with offset
             o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o.transpose(0, 1)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         qd = q.unsqueeze(2)  # [num_decodes, heads, 1, head_dim]
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [num_decodes, kv_heads, ctx, head_dim]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        bt = meta.decode_blocks
+        # [num_decodes, kv_heads, max_blocks * block_size, head_dim]
+        kd = gather_blocks(k_cache, bt, meta.block_size).transpose(1, 2)
+        vd = gather_blocks(v_cache, bt, meta.block_size).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
         )
         return o.squeeze(2)
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Copy whole KV blocks out of the paged cache: ``blocks`` [..., num_blocks] ->
+    [..., num_blocks * block_size, kv_heads, head_dim]. One contiguous copy per block, not
+    per token (a per-slot gather dominated decode steps on CPU)."""
+    paged = cache.view(-1, block_size, *cache.shape[1:])  # [blocks, block_size, kvh, d]
+    out = paged.index_select(0, blocks.reshape(-1))
+    return out.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, *cache.shape[1:])
 
 
 class FlashAttention(TorchAttention):

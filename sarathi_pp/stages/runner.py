@@ -64,33 +64,34 @@ def build_metadata(
     for c in plan.chunks:
         if not c.is_prefill:
             continue
-        bt = torch.tensor(c.block_table, dtype=torch.long, device=device)
-        ctx = _slots(bt, block_size, c.end)  # [end]
+        num_ctx_blocks = -(-c.end // block_size)
+        bt = torch.tensor(c.block_table[:num_ctx_blocks], dtype=torch.long, device=device)
         tokens += c.token_ids
         positions.append(torch.arange(c.start, c.end, device=device))
-        slots.append(ctx[c.start :])
-        prefills.append(PrefillSlice(row, row + c.num_tokens, c.start, ctx))
+        slots.append(_slots(bt, block_size, c.end)[c.start :])
+        prefills.append(PrefillSlice(row, row + c.num_tokens, c.start, bt))
         row += c.num_tokens
-    decode_slots = decode_mask = None
+    decode_blocks = decode_mask = None
     if decodes:
         tokens += [c.token_ids[0] for c in decodes]
         pos = [c.start for c in decodes]
-        positions.append(torch.tensor(pos, device=device))
-        max_blocks = max(len(c.block_table) for c in decodes)
-        padded = [list(c.block_table) + [0] * (max_blocks - len(c.block_table)) for c in decodes]
-        bt = torch.tensor(padded, dtype=torch.long, device=device)  # [num_decodes, max_blocks]
-        ctx_lens = torch.tensor(pos, device=device) + 1
-        max_ctx = int(max(pos)) + 1
-        decode_slots = _slots(bt, block_size, max_ctx)  # [num_decodes, max_ctx]
-        slots.append(decode_slots.gather(1, (ctx_lens - 1).unsqueeze(1)).squeeze(1))
-        arange = torch.arange(max_ctx, device=device)
-        decode_mask = (arange.unsqueeze(0) < ctx_lens.unsqueeze(1))[:, None, None, :]
+        pos_t = torch.tensor(pos, device=device)
+        positions.append(pos_t)
+        max_blocks = max(-(-(p + 1) // block_size) for p in pos)
+        tables = [c.block_table[:max_blocks] for c in decodes]
+        padded = [list(t) + [0] * (max_blocks - len(t)) for t in tables]  # 0: masked out
+        decode_blocks = torch.tensor(padded, dtype=torch.long, device=device)  # [num_decodes, max_blocks]
+        # slot of each decode token: its block's id * block_size + offset
+        own_block = decode_blocks.gather(1, (pos_t // block_size).unsqueeze(1)).squeeze(1)
+        slots.append(own_block * block_size + pos_t % block_size)
+        arange = torch.arange(max_blocks * block_size, device=device)
+        decode_mask = (arange.unsqueeze(0) <= pos_t.unsqueeze(1))[:, None, None, :]
     meta = AttentionMetadata(
         positions=torch.cat(positions),
         slot_mapping=torch.cat(slots),
         num_prefill_tokens=row,
         prefills=prefills,
-        decode_slots=decode_slots,
+        decode_blocks=decode_blocks,
         decode_mask=decode_mask,
         block_size=block_size,
     )

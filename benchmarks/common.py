@@ -1,0 +1,145 @@
+"""Helpers shared by the benchmark scripts: threads, machine description, timing, FLOPs.
+
+Not part of the package: the scripts run from the repository root
+(``python benchmarks/piggyback.py``), and this module sits next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from sarathi_pp.model_spec import ModelSpec
+
+
+def parse_int_list(text: str) -> list[int]:
+    """``"1,4,16"`` -> ``[1, 4, 16]`` (argparse ``type=``)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def add_threads_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)"
+    )
+
+
+def set_threads(num_threads: int | None) -> int:
+    """Apply ``--threads`` (if given); returns the thread count torch will use."""
+    if num_threads is not None:
+        if num_threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {num_threads}")
+        torch.set_num_threads(num_threads)
+    return torch.get_num_threads()
+
+
+def _cpu_model() -> str:
+    """The CPU's model name: ``platform.processor()`` is often empty or just ``x86_64`` on Linux."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load_average() -> str:
+    """The 1-minute load average (above the core count: other processes compete)."""
+    return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
+
+
+def is_busy() -> bool:
+    """True when the 1-minute load average exceeds the number of CPUs."""
+    return hasattr(os, "getloadavg") and os.getloadavg()[0] > (os.cpu_count() or 1)
+
+
+def machine_line(num_threads: int) -> str:
+    load = f" load avg (1 min) {load_average()}"
+    return (
+        f"machine: {_cpu_model()} ({platform.processor() or platform.machine()}), "
+        f"{os.cpu_count()} logical CPUs, torch {torch.__version__}, "
+        f"torch threads {num_threads};{load}"
+    )
+
+
+def time_once(fn: Callable[[], object]) -> float:
+    """Seconds one call of ``fn`` takes (``time.perf_counter``; CPU work is synchronous)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
+    """One list of random token ids per length, from ``seed``."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+
+
+# --- model FLOPs -----------------------------------------------------------------------------
+# Counted as in the SARATHI / PaLM MFU convention: a multiply-add is 2 FLOPs; elementwise ops
+# (norms, rope, softmax, SiLU) are left out.
+def linear_flops_per_token(spec: ModelSpec) -> int:
+    """Every non-embedding weight is used once per token in a matmul: 2 x parameters."""
+    return 2 * spec.num_layers * spec.layer_params()
+
+
+def lm_head_flops(spec: ModelSpec) -> int:
+    """One sampled row: [hidden] @ [hidden, vocab]."""
+    return 2 * spec.hidden_size * spec.vocab_size
+
+
+def attention_flops(spec: ModelSpec, context_len: int) -> int:
+    """One query token attending to ``context_len`` keys, all layers: QK^T and PV are each
+    2 x context x (heads x head_dim) FLOPs (GQA shares K/V but not the multiply-adds)."""
+    q_dim = spec.num_heads * spec.head_dim
+    return spec.num_layers * 2 * 2 * context_len * q_dim  # 2 matmuls (QK^T, PV), 2 FLOPs/MAC
+
+
+def chunk_flops(spec: ModelSpec, start: int, num_tokens: int, num_sampled: int) -> int:
+    """Tokens at positions ``[start, start + num_tokens)`` (each attends to ``pos + 1`` keys),
+    of which ``num_sampled`` rows go through lm_head."""
+    # sum of (pos + 1) for pos in [start, start + num_tokens)
+    context_sum = num_tokens * start + num_tokens * (num_tokens + 1) // 2
+    return (
+        num_tokens * linear_flops_per_token(spec)
+        + attention_flops(spec, context_sum)
+        + num_sampled * lm_head_flops(spec)
+    )
+
+
+def matmul_gflops(m: int = 256, k: int = 1024, n: int = 2816, seconds: float = 1.0) -> float:
+    """The machine's fp32 matmul rate in GFLOP/s: ``[m, k] @ [k, n]`` repeated; the default
+    shape is one 256-row chunk through tiny-llama's gate/up projection. The best of five
+    bursts of ``seconds / 5``: a peak rate, the least disturbed by other processes."""
+    a = torch.randn(m, k)
+    b = torch.randn(k, n)
+    for _ in range(3):  # warm-up: thread pool, allocator
+        a @ b
+    best = 0.0
+    for _ in range(5):
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / 5:
+            a @ b
+            reps += 1
+        best = max(best, 2 * m * k * n * reps / (time.perf_counter() - t0) / 1e9)
+    return best
