@@ -278,9 +278,7 @@ class LLMEngine:
         state = self._text[seq.seq_id]
         if self.detokenizer is not None:
             state.text += self._new_text(seq, state)
-        if not p.ignore_eos and token in self.eos_token_ids:
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, now, token)
-        elif token in p.stop_token_ids:
+        if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, now, token)
         elif p.stop and self._hit_stop_string(seq, state):
             pass

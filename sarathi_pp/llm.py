@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from sarathi_pp.config import EngineConfig, load_config, make_config
 from sarathi_pp.engine import LLMEngine
@@ -12,7 +12,7 @@ from sarathi_pp.run_dir import write_requests_csv
 from sarathi_pp.sampling_params import SamplingParams
 
 # A prompt: text, {"prompt_token_ids": [...]} (vLLM's TokensPrompt) or a list of token ids.
-Prompt = Union[str, dict, list]
+Prompt = str | dict | list
 
 
 class LLM:

@@ -10,6 +10,7 @@ stage's sampled tokens come back to the driver.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -200,19 +201,15 @@ class RayExecutor:
     def shutdown(self) -> None:
         ray = self._ray
         for a in self.actors:
-            try:
+            with contextlib.suppress(Exception):  # already dead
                 ray.kill(a)
-            except Exception:  # noqa: BLE001 - already dead
-                pass
         self.actors = []
         self._inflight.clear()
         if self._pg is not None:
             from ray.util.placement_group import remove_placement_group
 
-            try:
+            with contextlib.suppress(Exception):
                 remove_placement_group(self._pg)
-            except Exception:  # noqa: BLE001
-                pass
             self._pg = None
         if self._started_ray and ray.is_initialized():
             ray.shutdown()

@@ -9,12 +9,19 @@ sampled tokens. Activations never pass through the control plane.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
 import torch
 
-from sarathi_pp.comm.dist_setup import destroy_stage_group, free_port, init_stage_group, node_ip, pick_backend
+from sarathi_pp.comm.dist_setup import (
+    destroy_stage_group,
+    free_port,
+    init_stage_group,
+    node_ip,
+    pick_backend,
+)
 from sarathi_pp.comm.p2p import StageTransport
 from sarathi_pp.config import CacheConfig, ParallelConfig
 from sarathi_pp.events import StageEvent
@@ -125,8 +132,7 @@ class PipelineStage:
 
     def shutdown(self) -> None:
         if self.transport is not None:
-            try:  # briefly: after a failure the next stage may never receive
+            # Briefly: after a failure the next stage may never receive.
+            with contextlib.suppress(Exception):
                 self.transport.flush(timeout_s=min(5.0, self.timeout_s))
-            except Exception:  # noqa: BLE001 - shutting down anyway
-                pass
         destroy_stage_group()

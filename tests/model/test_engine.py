@@ -231,7 +231,8 @@ def test_run_dir(llama_dir, tmp_path):
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     assert cfg["model"]["max_model_len"] == 128 and cfg["cache"]["block_size"] == 16
     assert load_config(run / "config.yaml").scheduler.policy == "sarathi"  # loadable as is
-    rows = list(csv.DictReader(open(run / "requests.csv")))
+    with open(run / "requests.csv") as f:
+        rows = list(csv.DictReader(f))
     assert len(rows) == 2 and all(int(r["num_output_tokens"]) == 4 for r in rows)
     assert all(float(r["ttft_s"]) > 0 for r in rows)
     with pytest.raises(ValueError, match="not empty"):
