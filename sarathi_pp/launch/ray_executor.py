@@ -43,6 +43,10 @@ def _start_ray(ray) -> bool:
     # "local" starts a fresh Ray even where a stale `ray start` left its address file
     # behind (a bare ray.init() would try to join that dead cluster).
     address = os.environ.get("RAY_ADDRESS") or "local"
+    # Ray starts workers at nice 15: any normal process on the node would then take the
+    # cores from the stages. A Ray started for this run keeps them at normal priority.
+    if address == "local":
+        os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     return True
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import torch
 from collections import deque
 
 from sarathi_pp.config import EngineConfig
@@ -29,6 +31,8 @@ class UniprocExecutor:
         device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, device)
         stage = StageSpec(0, 1, 0, spec.num_layers, dtype, device)
+        if device == "cpu" and config.parallel.num_threads_per_stage is not None:
+            torch.set_num_threads(config.parallel.num_threads_per_stage)
         self.config = config
         self.worker = StageWorker(spec, model_dir, stage, max_model_len)
         self._done: deque[tuple[MicroBatchPlan, StepResult]] = deque()

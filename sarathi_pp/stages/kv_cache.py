@@ -7,6 +7,9 @@ Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 
@@ -22,10 +25,8 @@ class KVCache:
         device: torch.device,
     ) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # Zeros, not empty: a masked-out slot still enters the matmul as 0 * value, and
-        # uninitialised memory could hold NaN (0 * NaN = NaN).
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
 
@@ -39,3 +40,14 @@ class KVCache:
         num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
     ) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes  # 2: K, V
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros, not empty: a masked-out slot still enters the matmul as 0 * value, and
+    uninitialised memory could hold NaN (0 * NaN = NaN). On CPU the zeros come from calloc
+    (numpy), whose pages the kernel maps lazily: a large cache costs memory only as its
+    blocks are written, where ``torch.zeros`` would touch every page up front."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

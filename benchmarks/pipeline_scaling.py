@@ -1,0 +1,364 @@
+"""Pipeline scaling on CPU: PP=1 vs PP=2 stages, one thread per stage, same workload.
+
+A prefill-heavy mixed workload (``--num-requests`` 24, random token-id prompts of
+``--prompt-lens`` 256,512,1024 tokens cycled, ``--output-len`` 32 tokens each, greedy, EOS
+ignored, all submitted at once) runs through ``LLM.generate`` twice in one process, one
+after the other, on the embedded default model with the SARATHI scheduler (chunk 256):
+
+* PP=1: the single-process executor; torch limited to ``--threads-per-stage`` (1) threads
+  in this process, so it is the per-core baseline;
+* PP=2: two Ray stage actors, ``num_threads_per_stage`` = ``--threads-per-stage`` each,
+  ``num_microbatches_in_flight`` = the number of stages unless ``--microbatches-in-flight``.
+
+Only the ``generate`` call is timed, after the engine is built and a small warm-up
+``generate`` has run. Printed: wall time, generated tokens/s, prompt + generated tokens/s,
+the PP=2 / PP=1 throughput ratio and the pipeline efficiency = PP=1 wall / (stages x PP=2
+wall) (1.0 = perfect scaling).
+
+Where the time goes (Note [probes]): the script wraps, on instances only (no library file
+is changed), ``StageWorker.execute`` (metadata + layers + sampler: the stage's compute),
+and inside the stage actors also ``StageTransport.recv`` / ``send``, recording
+``time.monotonic()`` spans (one clock for every process on a Linux machine). Per stage it
+prints compute time, busy fraction = compute / generate wall, receive wait, and the median
+gap between one micro-batch's compute and the next (Ray dispatch, recv, Python). The
+driver's time is split the same way: ``scheduler.schedule``, ``executor.submit`` (Ray
+call issue), ``executor.wait_oldest`` (blocked on the stages) and applying results.
+
+Ray is started here with worker niceness 0 (``start_local_ray``): at Ray's default of 15
+the stage actors lose the cores to any other process, PP=1 (in this process) does not.
+
+Run from the repository root: ``python benchmarks/pipeline_scaling.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
+
+import torch  # noqa: E402
+from common import load_average, machine_line, parse_int_list, random_prompts  # noqa: E402
+
+from sarathi_pp import LLM, SamplingParams  # noqa: E402
+
+QUICK = {"num_requests": 4, "output_len": 4, "prompt_lens": [64, 128]}
+BLOCK_SIZE = 16  # tokens per KV block (the CPU default)
+NUM_BYTE_TOKENS = 256  # prompts use byte ids of the builtin tokenizer (valid in any vocab >= 256)
+Span = tuple[float, float]  # (start, end) in time.monotonic() seconds
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="builtin:tiny-llama")
+    p.add_argument("--num-stages", type=int, default=2, help="stages of the pipelined run")
+    p.add_argument("--threads-per-stage", type=int, default=1, help="torch threads per stage")
+    p.add_argument("--microbatches-in-flight", type=int, default=None, help="default: stages")
+    p.add_argument("--scheduler", default="sarathi")
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--num-requests", type=int, default=24)
+    p.add_argument("--prompt-lens", type=parse_int_list, default=[256, 512, 1024], help="cycled")
+    p.add_argument("--output-len", type=int, default=32, help="generated tokens per request")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--quick", action="store_true", help="small sizes: checks the script in < 60 s")
+    args = p.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    for name in ("num_stages", "threads_per_stage", "num_requests", "output_len", "chunk_size"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+# --- probes ----------------------------------------------------------------------------------
+# Note [probes]: each wrapper replaces a bound method on one object (an instance attribute),
+# so it touches only this benchmark's engine. Inside a Ray actor the probes are installed
+# through ``actor.__ray_call__`` (runs a function on the actor instance, queued after its
+# earlier calls); the actor's own ``run`` is looked up on the class by Ray, but what it calls
+# (``self.worker.execute``, ``self.transport.recv/send``) goes through the instances.
+def _wrap(obj: object, name: str, spans: list[Span]) -> None:
+    inner = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        t0 = time.monotonic()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spans.append((t0, time.monotonic()))
+
+    setattr(obj, name, timed)
+
+
+def install_stage_probes(stage) -> tuple[int, int]:
+    """Runs inside a ``PipelineStage`` actor: time execute/recv/send; returns its torch
+    threads and its niceness."""
+    stage._bench_spans = {"execute": [], "recv": [], "send": []}
+    _wrap(stage.worker, "execute", stage._bench_spans["execute"])
+    if not stage.stage.is_first:
+        _wrap(stage.transport, "recv", stage._bench_spans["recv"])
+    if not stage.stage.is_last:
+        _wrap(stage.transport, "send", stage._bench_spans["send"])
+    return torch.get_num_threads(), os.nice(0)
+
+
+def take_stage_spans(stage) -> dict[str, list[Span]]:
+    """Runs inside a ``PipelineStage`` actor: the spans recorded so far, then clears them."""
+    spans = {k: list(v) for k, v in stage._bench_spans.items()}
+    for v in stage._bench_spans.values():
+        v.clear()
+    return spans
+
+
+@dataclass
+class RunResult:
+    name: str
+    wall_s: float = 0.0
+    window: Span = (0.0, 0.0)
+    tokens: list[list[int]] = field(default_factory=list)
+    stage_threads: list[int] = field(default_factory=list)
+    stage_nice: list[int] = field(default_factory=list)
+    stage_spans: list[dict[str, list[Span]]] = field(default_factory=list)  # per stage
+    driver_spans: dict[str, list[Span]] = field(default_factory=dict)
+    plans: list[tuple[str, int]] = field(default_factory=list)  # (kind, num_tokens) per plan
+
+
+def install_driver_probes(llm: LLM, result: RunResult) -> None:
+    """Time the engine loop's parts, and note every plan submitted: each stage runs the
+    same plans in the same order, so a stage's i-th execute span is plan i."""
+    engine = llm.engine
+    spans = result.driver_spans = {"schedule": [], "submit": [], "wait": [], "apply": []}
+    _wrap(engine.scheduler, "schedule", spans["schedule"])
+    _wrap(engine.executor, "submit", spans["submit"])
+    _wrap(engine.executor, "wait_oldest", spans["wait"])
+    _wrap(engine, "_apply", spans["apply"])
+    submit = engine.executor.submit
+
+    def noted(plan):
+        result.plans.append((plan.kind, plan.num_tokens))
+        return submit(plan)
+
+    engine.executor.submit = noted
+
+
+# --- runs ------------------------------------------------------------------------------------
+def num_kv_blocks_for(prompt_lens: list[int], output_len: int) -> int:
+    """Enough KV blocks for every request at once (no preemption), +1 block each of slack;
+    the default would size each stage's cache from a 4 GiB budget, 3 such processes here."""
+    return sum(-(-(n + output_len) // BLOCK_SIZE) + 1 for n in prompt_lens)
+
+
+def build_llm(
+    args: argparse.Namespace, num_stages: int, num_blocks: int, max_model_len: int
+) -> LLM:
+    return LLM(
+        model=args.model,
+        dtype="float32",
+        device="cpu",
+        scheduler=args.scheduler,
+        chunk_size=args.chunk_size,
+        pipeline_parallel_size=num_stages,
+        num_threads_per_stage=args.threads_per_stage,
+        num_microbatches_in_flight=args.microbatches_in_flight,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=num_blocks,
+        max_model_len=max_model_len,  # the cache must hold one sequence of this length
+    )
+
+
+def start_local_ray() -> bool:
+    """Start Ray here (unless ``RAY_ADDRESS`` names a cluster); returns whether we did.
+
+    The library's ``ray.init(address=None)`` also connects to the address left in
+    ``/tmp/ray/ray_current_cluster`` by an earlier ``ray start --head``, and hangs in
+    ``Node._init_gcs_client`` when that cluster is gone; ``address="local"`` always starts
+    a fresh one. Ray runs its workers (the stage actors) at nice 15 by default, below the
+    PP=1 run in this process and any other process on a shared machine: worker niceness 0
+    (unless ``RAY_worker_niceness`` is set) keeps the comparison fair."""
+    import logging
+
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_worker_niceness", "0")  # read by the raylet this starts
+    address = os.environ.get("RAY_ADDRESS") or "local"
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    return True
+
+
+def run_one(args: argparse.Namespace, num_stages: int, prompts, warm) -> RunResult:
+    if num_stages == 1:  # the single-process executor runs in this process
+        torch.set_num_threads(args.threads_per_stage)
+    started_ray = num_stages > 1 and start_local_ray()
+    try:
+        return _run_one(args, num_stages, prompts, warm)
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+
+
+def _run_one(args: argparse.Namespace, num_stages: int, prompts, warm) -> RunResult:
+    lens = [len(p) for p in prompts]
+    num_blocks = num_kv_blocks_for(lens, args.output_len)
+    llm = build_llm(args, num_stages, num_blocks, max(lens) + args.output_len)
+    try:
+        warm_params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        llm.generate(warm, warm_params, use_tqdm=False)
+        result = RunResult(f"PP={num_stages}")
+        actors = getattr(llm.engine.executor, "actors", None)
+        if actors:
+            import ray
+
+            calls = [a.__ray_call__.remote(install_stage_probes) for a in actors]
+            result.stage_threads, result.stage_nice = map(list, zip(*ray.get(calls)))
+        else:
+            result.stage_spans = [{"execute": [], "recv": [], "send": []}]
+            _wrap(llm.engine.executor.worker, "execute", result.stage_spans[0]["execute"])
+            result.stage_threads, result.stage_nice = [torch.get_num_threads()], [os.nice(0)]
+        install_driver_probes(llm, result)
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        t0 = time.monotonic()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        t1 = time.monotonic()
+        result.wall_s, result.window = t1 - t0, (t0, t1)
+        result.tokens = [o.outputs[0].token_ids for o in outputs]
+        if actors:
+            result.stage_spans = ray.get([a.__ray_call__.remote(take_stage_spans) for a in actors])
+        return result
+    finally:
+        llm.shutdown()
+
+
+# --- report ----------------------------------------------------------------------------------
+def total(spans: list[Span]) -> float:
+    return sum(e - s for s, e in spans)
+
+
+def median_gap_ms(spans: list[Span]) -> float:
+    """Median time from the end of one span to the start of the next (ms)."""
+    gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:])]
+    return 1e3 * statistics.median(gaps) if gaps else float("nan")
+
+
+def print_throughput(runs: list[RunResult], num_prompt_tokens: int, num_gen_tokens: int) -> None:
+    print(f"{'':<6} {'threads':>8} {'nice':>6} {'wall s':>8} {'gen tok/s':>10} {'all tok/s':>10}")
+    for r in runs:
+        threads = "+".join(str(t) for t in r.stage_threads)
+        nice = "+".join(str(t) for t in r.stage_nice)  # of the process(es) computing
+        print(
+            f"{r.name:<6} {threads:>8} {nice:>6} {r.wall_s:>8.2f} {num_gen_tokens / r.wall_s:>10.1f} "
+            f"{(num_prompt_tokens + num_gen_tokens) / r.wall_s:>10.1f}"
+        )
+    base, pp = runs
+    num_stages = len(pp.stage_spans)
+    print(
+        f"throughput ratio {pp.name} / {base.name}: {base.wall_s / pp.wall_s:.2f}x "
+        f"(ideal {num_stages}x); pipeline efficiency = {base.name} wall / ({num_stages} x "
+        f"{pp.name} wall) = {base.wall_s / (num_stages * pp.wall_s):.1%}"
+    )
+
+
+def print_stages(runs: list[RunResult]) -> None:
+    """Compute, busy fraction and waits per stage (Note [probes])."""
+    print(
+        f"{'stage':<10} {'micro-b.':>8} {'compute s':>10} {'busy':>6} {'recv s':>7} "
+        f"{'send s':>7} {'ms/mb':>6} {'gap ms':>7}"
+    )
+    for r in runs:
+        for i, sp in enumerate(r.stage_spans):
+            ex = sp["execute"]
+            n = len(ex)
+            print(
+                f"{r.name + f' s{i}':<10} {n:>8} {total(ex):>10.2f} {total(ex) / r.wall_s:>6.1%} "
+                f"{total(sp['recv']):>7.2f} {total(sp['send']):>7.2f} "
+                f"{1e3 * total(ex) / max(n, 1):>6.1f} {median_gap_ms(ex):>7.2f}"
+            )
+    base, pp = runs
+    pp_compute = [total(sp["execute"]) for sp in pp.stage_spans]
+    print(
+        f"{pp.name} compute: sum over stages {sum(pp_compute):.2f} s vs {base.name} "
+        f"{total(base.stage_spans[0]['execute']):.2f} s (same work; more = slower per core "
+        f"when stages run side by side); slowest stage {max(pp_compute):.2f} s = the least "
+        f"{pp.name} wall possible"
+    )
+
+
+def print_kinds(runs: list[RunResult]) -> None:
+    """Plans by kind, with each stage's compute on them: more in-flight micro-batches split
+    the same decodes over more plans (a sequence is in at most one plan at a time)."""
+    print(f"{'plans':<6} {'kind':<8} {'count':>6} {'tokens':>7}  compute s per stage (ms/plan)")
+    for r in runs:
+        for kind in ("prefill", "hybrid", "decode"):
+            idx = [i for i, (k, _) in enumerate(r.plans) if k == kind]
+            if not idx:
+                continue
+            per_stage = []
+            for sp in r.stage_spans:
+                ex = sp["execute"]
+                secs = sum(ex[i][1] - ex[i][0] for i in idx if i < len(ex))
+                per_stage.append(f"{secs:7.2f} ({1e3 * secs / len(idx):6.1f})")
+            tokens = sum(r.plans[i][1] for i in idx)
+            print(f"{r.name:<6} {kind:<8} {len(idx):>6} {tokens:>7}  " + "  ".join(per_stage))
+
+
+def print_driver(runs: list[RunResult]) -> None:
+    print(
+        f"{'driver':<6} {'schedule s':>10} {'submit s':>9} {'wait s':>7} {'apply s':>8} "
+        f"{'other s':>8} {'submits':>8}"
+    )
+    for r in runs:
+        d = {k: total(v) for k, v in r.driver_spans.items()}
+        other = r.wall_s - sum(d.values())
+        print(
+            f"{r.name:<6} {d['schedule']:>10.2f} {d['submit']:>9.2f} {d['wait']:>7.2f} "
+            f"{d['apply']:>8.2f} {other:>8.2f} {len(r.driver_spans['submit']):>8}"
+        )
+
+
+def check_outputs(runs: list[RunResult], output_len: int) -> None:
+    lens = {len(t) for r in runs for t in r.tokens}
+    same = sum(a == b for a, b in zip(runs[0].tokens, runs[1].tokens, strict=True))
+    print(
+        f"outputs: lengths {sorted(lens)} (expected [{output_len}]); {same}/{len(runs[0].tokens)} "
+        f"requests identical in {runs[0].name} and {runs[1].name}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    cores = len(os.sched_getaffinity(0))
+    print(machine_line(args.threads_per_stage) + f"; usable cores (affinity) {cores}")
+    if cores < args.num_stages * args.threads_per_stage:
+        print(
+            f"WARNING: {cores} usable core(s) < {args.num_stages} stages x "
+            f"{args.threads_per_stage} thread(s): the stages cannot all run at once"
+        )
+    if os.getloadavg()[0] > 1.0:
+        print("WARNING: load average > 1: other processes compete for the cores; times are noisy")
+    lens = [args.prompt_lens[i % len(args.prompt_lens)] for i in range(args.num_requests)]
+    prompts = random_prompts(lens, NUM_BYTE_TOKENS, args.seed)
+    warm = random_prompts([min(lens)] * 2, NUM_BYTE_TOKENS, args.seed + 1)
+    print(
+        f"workload: {args.num_requests} requests, prompt lengths {args.prompt_lens} cycled "
+        f"({sum(lens)} prompt tokens), {args.output_len} output tokens each, greedy, EOS ignored; "
+        f"{args.scheduler} scheduler, chunk {args.chunk_size}"
+    )
+    runs = [run_one(args, n, prompts, warm) for n in (1, args.num_stages)]
+    print_throughput(runs, sum(lens), args.num_requests * args.output_len)
+    print_stages(runs)
+    print_kinds(runs)
+    print_driver(runs)
+    check_outputs(runs, args.output_len)
+    print(f"load avg (1 min) at the end: {load_average()}")
+
+
+if __name__ == "__main__":
+    main()
