@@ -31,7 +31,7 @@ def _ray():
     try:
         import ray
     except ImportError as e:  # pragma: no cover - ray is a declared dependency
-        raise ImportError("pipeline parallelism on Ray needs ray: pip install 'sarathi-pp[dist]'") from e
+        raise ImportError("pipeline parallelism on Ray needs ray: pip install 'ray[default]'") from e
     return ray
 
 

@@ -3,8 +3,8 @@ bars under each row coloured by class, the scheduler's idle spans on a row of th
 the pipeline fill and drain shaded grey.
 
 Drawn with matplotlib's object API on an Agg canvas (no ``pyplot``: nothing global
-changes for a caller that plots too). matplotlib is optional (``pip install
-sarathi-pp[plots]``): ``draw_timeline`` raises ``ImportError`` without it.
+changes for a caller that plots too). matplotlib is a base dependency; should it be missing,
+``draw_timeline`` raises ``ImportError``.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def write_files(report: RunReport, plot: bool = True) -> list[Path]:
             written.append(d / TIMELINE_FILE)
         except ImportError:
             warnings.warn(
-                "matplotlib is not installed: no timeline.png (pip install 'sarathi-pp[plots]')",
+                "matplotlib is not installed: no timeline.png (pip install matplotlib)",
                 stacklevel=2,
             )
     return written

@@ -47,3 +47,8 @@ def test_bad_values_raise_value_error_naming_them(kwargs, match):
 def test_boundary_values_are_accepted():
     SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=5, seed=0)
     SamplingParams(top_p=1e-6, logprobs=None, n=1)
+
+
+def test_tiny_temperature_is_greedy_not_an_overflow():
+    assert SamplingParams(temperature=1e-7).is_greedy
+    assert not SamplingParams(temperature=1e-3).is_greedy
