@@ -44,12 +44,14 @@ def ray_head(tmp_path):
 def submit(address, env, args, timeout=240):
     cmd = [RAY, "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
            "python", "-m", "sarathi_pp.launch.ray_job", *args]
-    deadline = time.monotonic() + 60
-    while True:  # the job server comes up a few seconds after the head
+    deadline = time.monotonic() + 120
+    not_up_yet = ("Connection", "No available agent", "try again later")
+    while True:  # the job server and its agent come up some seconds after the head
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        if proc.returncode == 0 or time.monotonic() > deadline or "Connection" not in proc.stderr + proc.stdout:
+        out = proc.stderr + proc.stdout
+        if proc.returncode == 0 or time.monotonic() > deadline or not any(m in out for m in not_up_yet):
             return proc
-        time.sleep(2)
+        time.sleep(3)
 
 
 def test_ray_job_submit_matches_pp1(ray_head, llama_dir):
