@@ -25,7 +25,10 @@ def ray_head(tmp_path):
     """A head node of its own, stopped by killing its process group (``ray stop`` would
     stop every Ray on the machine, the test session's included)."""
     dash = free_port()
-    env = {**os.environ, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "token"}
+    # The head's PATH reaches the job: put this interpreter's bin folder first, as an
+    # activated virtualenv would (``make test`` runs .venv/bin/python without activating).
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "token", "PATH": path}
     head = subprocess.Popen(
         [RAY, "start", "--head", "--block", "--port", str(free_port()), "--num-cpus", "4",
          "--include-dashboard", "true", "--dashboard-port", str(dash), "--disable-usage-stats"],
@@ -43,7 +46,7 @@ def ray_head(tmp_path):
 
 def submit(address, env, args, timeout=240):
     cmd = [RAY, "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
-           "python", "-m", "sarathi_pp.launch.ray_job", *args]
+           sys.executable, "-m", "sarathi_pp.launch.ray_job", *args]
     deadline = time.monotonic() + 120
     not_up_yet = ("Connection", "No available agent", "try again later")
     while True:  # the job server and its agent come up some seconds after the head
