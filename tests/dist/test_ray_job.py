@@ -30,8 +30,14 @@ def ray_head(tmp_path):
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     env = {**os.environ, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "token", "PATH": path}
     head = subprocess.Popen(
+        # Every port its own: the session's Ray (tests/conftest.py) already holds the
+        # defaults, e.g. the dashboard agent's 52365, and a clash leaves no job agent.
         [RAY, "start", "--head", "--block", "--port", str(free_port()), "--num-cpus", "4",
-         "--include-dashboard", "true", "--dashboard-port", str(dash), "--disable-usage-stats"],
+         "--include-dashboard", "true", "--dashboard-port", str(dash),
+         "--dashboard-agent-listen-port", str(free_port()),
+         "--dashboard-agent-grpc-port", str(free_port()),
+         "--runtime-env-agent-port", str(free_port()),
+         "--metrics-export-port", str(free_port()), "--disable-usage-stats"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
     )
     try:
