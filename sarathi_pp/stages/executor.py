@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import torch
-from collections import deque
 
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.events import StageEvent
