@@ -31,10 +31,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from sarathi_pp.model_path import BUILTIN_PREFIX
+
 if TYPE_CHECKING:  # transformers is imported lazily: a cached folder needs none of it
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
-BUILTIN_PREFIX = "builtin:"
 CACHE_ENV = "SARATHI_PP_CACHE"
 
 NUM_BYTES = 256

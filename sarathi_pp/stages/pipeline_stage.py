@@ -119,9 +119,10 @@ class PipelineStage:
         else:
             self.transport.send(plan.microbatch_id, out)
         self._free_since = time.monotonic()
+        input_ready = arrived if s.is_first else compute_start  # the plan / the hidden states
         event = StageEvent(
             s.stage_idx, plan.microbatch_id, plan.kind, plan.num_prefill_tokens,
-            plan.num_decode_tokens, min(wait_start, arrived), compute_start if not s.is_first else arrived,
+            plan.num_decode_tokens, min(wait_start, arrived), input_ready,
             compute_start, compute_end, self._free_since,
         )
         return result, event
