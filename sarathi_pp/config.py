@@ -86,8 +86,18 @@ class CacheConfig:
 class SchedulerConfig:
     policy: str = "sarathi"
     """``sarathi``, ``vllm``, ``orca`` or ``simple_chunking`` (see the README)."""
-    chunk_size: int = 256
-    """Token budget of one micro-batch: prefill + decode rows (sarathi, simple_chunking)."""
+    chunk_size: int | str = 256
+    """Token budget of one micro-batch: prefill + decode rows (sarathi, simple_chunking);
+    ``auto`` = planned from the memory bound and adjusted online from the P:D ratio of
+    the finished requests (``sarathi-pp plan`` shows the arithmetic)."""
+    min_chunk_size: int = 128
+    """Planner and ``chunk_size: auto``: the smallest prefill chunk C (a smaller one starves
+    the matmuls; ``sarathi-pp profile`` measures where that is on the machine at hand)."""
+    max_chunk_size: int = 2048
+    """Planner and ``chunk_size: auto``: the largest prefill chunk C."""
+    auto_chunk_window: int = 32
+    """``chunk_size: auto``: finished requests in the sliding window the P:D ratio is
+    observed over."""
     tile_align: bool = True
     """Trim the prefill chunk so the micro-batch's rows are a multiple of ``tile_size``."""
     tile_size: int = 128
@@ -104,7 +114,20 @@ class SchedulerConfig:
             raise ValueError(
                 f"unknown scheduler {self.policy!r}; valid: {', '.join(scheduler_names())}"
             )
-        _check_int("chunk_size", self.chunk_size, 1)
+        if self.chunk_size != "auto":
+            try:
+                _check_int("chunk_size", self.chunk_size, 1)
+            except ValueError:
+                raise ValueError(
+                    f"chunk_size must be an integer >= 1 or 'auto', got {self.chunk_size!r}"
+                ) from None
+        _check_int("min_chunk_size", self.min_chunk_size, 1)
+        _check_int("max_chunk_size", self.max_chunk_size, 1)
+        if self.min_chunk_size > self.max_chunk_size:
+            raise ValueError(
+                f"min_chunk_size={self.min_chunk_size} exceeds max_chunk_size={self.max_chunk_size}"
+            )
+        _check_int("auto_chunk_window", self.auto_chunk_window, 1)
         _check_int("tile_size", self.tile_size, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_opt_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -194,6 +217,9 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
     "scheduler": ("scheduler", "policy"),
     "chunk_size": ("scheduler", "chunk_size"),
+    "min_chunk_size": ("scheduler", "min_chunk_size"),
+    "max_chunk_size": ("scheduler", "max_chunk_size"),
+    "auto_chunk_window": ("scheduler", "auto_chunk_window"),
     "tile_align": ("scheduler", "tile_align"),
     "tile_size": ("scheduler", "tile_size"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),

@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_generate_parser(subparsers)
     add_report_parser(subparsers)
+    # further subcommands: one add_<name>_parser(subparsers) line each, below
     return parser
 
 
@@ -80,7 +81,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
     g.add_argument("--model", metavar="PATH", help="model folder or builtin:NAME (model.path)")
     g.add_argument("--scheduler", metavar="POLICY", help="scheduler.policy (sarathi, vllm, ...)")
-    g.add_argument("--chunk-size", type=int, metavar="N", help="scheduler.chunk_size")
+    g.add_argument(
+        "--chunk-size", type=chunk_size_arg, metavar="N|auto", help="scheduler.chunk_size"
+    )
     g.add_argument(
         "--pipeline-parallel-size", type=int, metavar="N", help="parallel.pipeline_parallel_size"
     )
