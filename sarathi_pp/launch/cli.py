@@ -147,6 +147,16 @@ def add_generate_parser(subparsers: Any) -> None:
 
 
 # --- pieces that need no model --------------------------------------------------------------
+def chunk_size_arg(text: str) -> int | str:
+    """``--chunk-size``: a token count or ``auto`` (argparse ``type=``)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
 def parse_set_items(items: list[str]) -> dict[str, Any]:
     """``["scheduler.chunk_size=7", ...]`` -> ``{"scheduler.chunk_size": 7}`` (last wins)."""
     out: dict[str, Any] = {}
