@@ -113,7 +113,7 @@ def test_unknown_set_key(capsys):
 
 def test_bad_chunk_size(capsys):
     err = exit_error(["generate", "--prompt", "hi", "--chunk-size", "0"], capsys)
-    assert err == "sarathi-pp: error: chunk_size must be an integer >= 1, got 0\n"
+    assert err == "sarathi-pp: error: chunk_size must be an integer >= 1 or 'auto', got 0\n"
 
 
 def test_flag_and_set_conflict(capsys):
