@@ -9,6 +9,11 @@ SARATHI's paper reports 6.29x fewer bubbles than the prefill-prioritized baselin
 
     python benchmarks/bubbles.py --out runs/bubbles            # a few minutes on 2 cores
     python benchmarks/bubbles.py --out runs/bubbles --quick    # a smoke run
+
+The workload is a file (``--workload``, default ``configs/workloads/bubbles.yaml``: 24
+requests, prompts of 128/512/1024 random token ids, 48 output tokens; ``--quick``:
+``short.yaml``), submitted all at once (arrival times other than 0 are refused: use
+``sarathi-pp bench`` for those), greedy with EOS ignored.
 """
 
 from __future__ import annotations
@@ -19,13 +24,17 @@ import sys
 import time
 from pathlib import Path
 
-from common import load_average, random_prompts
+from common import load_average
 
 from sarathi_pp import LLM, SamplingParams
+from sarathi_pp.bench.workload import BenchRequest, Workload, load_workload
 from sarathi_pp.report import write_report
 from sarathi_pp.report.text import format_comparison
 
 SCHEDULERS = ("sarathi", "vllm", "orca", "simple_chunking")
+WORKLOAD = "configs/workloads/bubbles.yaml"
+QUICK_WORKLOAD = "configs/workloads/short.yaml"
+VOCAB_SIZE = 256  # prompts use byte ids of the builtin tokenizer (valid in any vocab >= 256)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,16 +42,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", default="configs/tiny-llama-pp2.yaml")
     p.add_argument("--out", default="runs/bubbles", help="one run dir per scheduler below this")
     p.add_argument("--schedulers", default=",".join(SCHEDULERS))
-    p.add_argument("--num-requests", type=int, default=24)
-    p.add_argument("--prompt-lens", default="128,512,1024", help="cycled over the requests")
-    p.add_argument("--output-len", type=int, default=48)
+    p.add_argument("--workload", default=None, help=f"workload YAML (default {WORKLOAD})")
+    p.add_argument("--num-requests", type=int, default=None, help="default: the workload's")
     p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="8 requests of 64/128 tokens, 8 out")
+    p.add_argument("--quick", action="store_true", help=f"default workload {QUICK_WORKLOAD}")
     return p.parse_args(argv)
 
 
-def run_one(args, scheduler: str, prompts: list[list[int]], run_dir: Path) -> float:
+def load_args_workload(args: argparse.Namespace) -> Workload:
+    """The workload of ``--workload`` (or the default, or ``--quick``'s), at most
+    ``--num-requests``; refuses arrival times: ``generate`` submits every request at once."""
+    try:
+        workload = load_workload(args.workload or (QUICK_WORKLOAD if args.quick else WORKLOAD))
+        if args.num_requests is not None:
+            workload = workload.with_num_requests(args.num_requests)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    if workload.arrivals.kind != "all_at_once":
+        raise SystemExit(
+            f"error: {workload.describe()}: this script submits every request at t=0; "
+            "use an all_at_once workload (sarathi-pp bench replays arrival times)"
+        )
+    return workload
+
+
+def run_one(args, scheduler: str, requests: list[BenchRequest], run_dir: Path) -> float:
     shutil.rmtree(run_dir, ignore_errors=True)
     llm = LLM.from_config(
         args.config,
@@ -52,9 +76,13 @@ def run_one(args, scheduler: str, prompts: list[list[int]], run_dir: Path) -> fl
         num_threads_per_stage=1,
     )
     try:
-        sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+        prompts = [list(r.prompt_token_ids) for r in requests]
+        params = [
+            SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True)
+            for r in requests
+        ]
         start = time.perf_counter()
-        llm.generate(prompts, sp, use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start
     finally:
         llm.shutdown()
@@ -62,21 +90,18 @@ def run_one(args, scheduler: str, prompts: list[list[int]], run_dir: Path) -> fl
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.quick:
-        args.num_requests, args.prompt_lens, args.output_len = 8, "64,128", 8
-    lens = [int(x) for x in args.prompt_lens.split(",")]
-    lens = [lens[i % len(lens)] for i in range(args.num_requests)]
-    prompts = random_prompts(lens, vocab_size=256, seed=args.seed)
+    workload = load_args_workload(args)
+    requests = workload.requests(VOCAB_SIZE)
     names, summaries = [], []
     for scheduler in args.schedulers.split(","):
         run_dir = Path(args.out) / scheduler
-        wall = run_one(args, scheduler, prompts, run_dir)
+        wall = run_one(args, scheduler, requests, run_dir)
         print(f"{scheduler}: {wall:.1f} s ({run_dir})", file=sys.stderr)
         names.append(scheduler)
         summaries.append(write_report(run_dir, plot=True))
     print(
-        f"# {args.num_requests} requests, prompts {args.prompt_lens}, {args.output_len} out, "
-        f"chunk {args.chunk_size}, PP=2, one thread per stage; load average {load_average()}"
+        f"# {workload.describe()}; chunk {args.chunk_size}, PP=2, one thread per stage; "
+        f"load average {load_average()}"
     )
     print(format_comparison(names, summaries))
     return 0

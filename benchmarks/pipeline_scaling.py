@@ -1,9 +1,10 @@
 """Pipeline scaling on CPU: PP=1 vs PP=2 stages, one thread per stage, same workload.
 
-A prefill-heavy mixed workload (``--num-requests`` 24, random token-id prompts of
-``--prompt-lens`` 256,512,1024 tokens cycled, ``--output-len`` 32 tokens each, greedy, EOS
-ignored, all submitted at once) runs through ``LLM.generate`` twice in one process, one
-after the other, on the embedded default model with the SARATHI scheduler (chunk 256):
+A prefill-heavy mixed workload (``--workload``, default
+``configs/workloads/pipeline-scaling.yaml``: 24 requests, random token-id prompts of
+256/512/1024 tokens, 32 output tokens each; greedy, EOS ignored, all submitted at once)
+runs through ``LLM.generate`` twice in one process, one after the other, on the embedded
+default model with the SARATHI scheduler (chunk 256):
 
 * PP=1: the single-process executor; torch limited to ``--threads-per-stage`` (1) threads
   in this process, so it is the per-core baseline;
@@ -43,11 +44,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 
 import torch  # noqa: E402
-from common import load_average, machine_line, parse_int_list, random_prompts  # noqa: E402
+from common import load_average, machine_line, random_prompts  # noqa: E402
 
 from sarathi_pp import LLM, SamplingParams  # noqa: E402
+from sarathi_pp.bench.workload import BenchRequest, Workload, load_workload  # noqa: E402
 
-QUICK = {"num_requests": 4, "output_len": 4, "prompt_lens": [64, 128]}
+WORKLOAD = "configs/workloads/pipeline-scaling.yaml"
+QUICK_WORKLOAD = "configs/workloads/short.yaml"
 BLOCK_SIZE = 16  # tokens per KV block (the CPU default)
 NUM_BYTE_TOKENS = 256  # prompts use byte ids of the builtin tokenizer (valid in any vocab >= 256)
 Span = tuple[float, float]  # (start, end) in time.monotonic() seconds
@@ -61,19 +64,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--microbatches-in-flight", type=int, default=None, help="default: stages")
     p.add_argument("--scheduler", default="sarathi")
     p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument("--num-requests", type=int, default=24)
-    p.add_argument("--prompt-lens", type=parse_int_list, default=[256, 512, 1024], help="cycled")
-    p.add_argument("--output-len", type=int, default=32, help="generated tokens per request")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    p.add_argument("--quick", action="store_true", help="small sizes: checks the script in < 60 s")
+    p.add_argument("--workload", default=None, help=f"workload YAML (default {WORKLOAD})")
+    p.add_argument("--num-requests", type=int, default=None, help="default: the workload's")
+    p.add_argument(
+        "--quick", action="store_true", help=f"workload {QUICK_WORKLOAD}: checks the script"
+    )
     args = p.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
-    for name in ("num_stages", "threads_per_stage", "num_requests", "output_len", "chunk_size"):
+    for name in ("num_stages", "threads_per_stage", "chunk_size"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     return args
+
+
+def load_args_workload(args: argparse.Namespace) -> Workload:
+    """The workload of ``--workload`` (or the default, or ``--quick``'s), at most
+    ``--num-requests``; refuses arrival times: ``generate`` submits every request at once."""
+    try:
+        workload = load_workload(args.workload or (QUICK_WORKLOAD if args.quick else WORKLOAD))
+        if args.num_requests is not None:
+            workload = workload.with_num_requests(args.num_requests)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    if workload.arrivals.kind != "all_at_once":
+        raise SystemExit(
+            f"error: {workload.describe()}: this script submits every request at t=0; "
+            "use an all_at_once workload (sarathi-pp bench replays arrival times)"
+        )
+    return workload
 
 
 # --- probes ----------------------------------------------------------------------------------
@@ -147,10 +164,14 @@ def install_driver_probes(llm: LLM, result: RunResult) -> None:
 
 
 # --- runs ------------------------------------------------------------------------------------
-def num_kv_blocks_for(prompt_lens: list[int], output_len: int) -> int:
+def num_kv_blocks_for(requests: list[BenchRequest]) -> int:
     """Enough KV blocks for every request at once (no preemption), +1 block each of slack;
     the default would size each stage's cache from a 4 GiB budget, 3 such processes here."""
-    return sum(-(-(n + output_len) // BLOCK_SIZE) + 1 for n in prompt_lens)
+    return sum(-(-seq_len(r) // BLOCK_SIZE) + 1 for r in requests)
+
+
+def seq_len(r: BenchRequest) -> int:
+    return len(r.prompt_token_ids) + r.output_tokens
 
 
 def build_llm(
@@ -192,12 +213,12 @@ def start_local_ray() -> bool:
     return True
 
 
-def run_one(args: argparse.Namespace, num_stages: int, prompts, warm) -> RunResult:
+def run_one(args: argparse.Namespace, num_stages: int, requests, warm) -> RunResult:
     if num_stages == 1:  # the single-process executor runs in this process
         torch.set_num_threads(args.threads_per_stage)
     started_ray = num_stages > 1 and start_local_ray()
     try:
-        return _run_one(args, num_stages, prompts, warm)
+        return _run_one(args, num_stages, requests, warm)
     finally:
         if started_ray:
             import ray
@@ -205,10 +226,11 @@ def run_one(args: argparse.Namespace, num_stages: int, prompts, warm) -> RunResu
             ray.shutdown()
 
 
-def _run_one(args: argparse.Namespace, num_stages: int, prompts, warm) -> RunResult:
-    lens = [len(p) for p in prompts]
-    num_blocks = num_kv_blocks_for(lens, args.output_len)
-    llm = build_llm(args, num_stages, num_blocks, max(lens) + args.output_len)
+def _run_one(
+    args: argparse.Namespace, num_stages: int, requests: list[BenchRequest], warm
+) -> RunResult:
+    max_len = max(seq_len(r) for r in requests)
+    llm = build_llm(args, num_stages, num_kv_blocks_for(requests), max_len)
     try:
         warm_params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         llm.generate(warm, warm_params, use_tqdm=False)
@@ -224,7 +246,11 @@ def _run_one(args: argparse.Namespace, num_stages: int, prompts, warm) -> RunRes
             _wrap(llm.engine.executor.worker, "execute", result.stage_spans[0]["execute"])
             result.stage_threads, result.stage_nice = [torch.get_num_threads()], [os.nice(0)]
         install_driver_probes(llm, result)
-        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        prompts = [list(r.prompt_token_ids) for r in requests]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=r.output_tokens, ignore_eos=True)
+            for r in requests
+        ]
         t0 = time.monotonic()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         t1 = time.monotonic()
@@ -323,11 +349,12 @@ def print_driver(runs: list[RunResult]) -> None:
         )
 
 
-def check_outputs(runs: list[RunResult], output_len: int) -> None:
-    lens = {len(t) for r in runs for t in r.tokens}
+def check_outputs(runs: list[RunResult], requests: list[BenchRequest]) -> None:
+    expected = [r.output_tokens for r in requests]
+    num_ok = sum([len(t) for t in r.tokens] == expected for r in runs)
     same = sum(a == b for a, b in zip(runs[0].tokens, runs[1].tokens, strict=True))
     print(
-        f"outputs: lengths {sorted(lens)} (expected [{output_len}]); {same}/{len(runs[0].tokens)} "
+        f"outputs: lengths as requested in {num_ok}/{len(runs)} runs; {same}/{len(runs[0].tokens)} "
         f"requests identical in {runs[0].name} and {runs[1].name}"
     )
 
@@ -343,20 +370,23 @@ def main(argv: list[str] | None = None) -> None:
         )
     if os.getloadavg()[0] > 1.0:
         print("WARNING: load average > 1: other processes compete for the cores; times are noisy")
-    lens = [args.prompt_lens[i % len(args.prompt_lens)] for i in range(args.num_requests)]
-    prompts = random_prompts(lens, NUM_BYTE_TOKENS, args.seed)
-    warm = random_prompts([min(lens)] * 2, NUM_BYTE_TOKENS, args.seed + 1)
+    workload = load_args_workload(args)
+    requests = workload.requests(NUM_BYTE_TOKENS)
+    num_prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    num_output_tokens = sum(r.output_tokens for r in requests)
+    # warm-up prompts unlike the timed ones (seed 1): nothing of them is reused
+    warm = random_prompts([min(len(r.prompt_token_ids) for r in requests)] * 2, NUM_BYTE_TOKENS, 1)
     print(
-        f"workload: {args.num_requests} requests, prompt lengths {args.prompt_lens} cycled "
-        f"({sum(lens)} prompt tokens), {args.output_len} output tokens each, greedy, EOS ignored; "
+        f"workload: {workload.describe()} ({num_prompt_tokens} prompt tokens, "
+        f"{num_output_tokens} output tokens), greedy, EOS ignored; "
         f"{args.scheduler} scheduler, chunk {args.chunk_size}"
     )
-    runs = [run_one(args, n, prompts, warm) for n in (1, args.num_stages)]
-    print_throughput(runs, sum(lens), args.num_requests * args.output_len)
+    runs = [run_one(args, n, requests, warm) for n in (1, args.num_stages)]
+    print_throughput(runs, num_prompt_tokens, num_output_tokens)
     print_stages(runs)
     print_kinds(runs)
     print_driver(runs)
-    check_outputs(runs, args.output_len)
+    check_outputs(runs, requests)
     print(f"load avg (1 min) at the end: {load_average()}")
 
 

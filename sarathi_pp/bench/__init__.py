@@ -1,0 +1,1 @@
+"""The serving benchmark: workload specs (``workload``) and what runs them."""
