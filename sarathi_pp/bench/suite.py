@@ -1,0 +1,256 @@
+"""The serving benchmark: one workload through several schedulers (and a peer), one run
+dir each, then ``comparison.json``, the CDF plots and the table.
+
+Layout of ``--run-dir DIR``::
+
+    DIR/<scheduler>/            a run dir per scheduler (``sarathi-pp report`` reads it)
+    DIR/<scheduler>/probes/rate-<r>/   capacity mode: one run dir per probe
+    DIR/<scheduler>/capacity.json      capacity mode: the search and its probes
+    DIR/peer-hf/                requests.csv and summary.json of the peer (no stages)
+    DIR/comparison.json         see ``bench.compare``
+    DIR/tbt_cdf.png, DIR/ttft_cdf.png
+
+All schedulers run on the same live stages (``LLMEngine.set_scheduler``), so comparing
+policies costs one model load. The peer runs after our stages are shut down, with the
+same number of threads our stages used together.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sarathi_pp.bench.capacity import Slo, search_capacity
+from sarathi_pp.bench.compare import (
+    build_comparison,
+    engine_run_entry,
+    format_table,
+    peer_run_entry,
+)
+from sarathi_pp.bench.runner import serve_run
+from sarathi_pp.bench.workload import BenchRequest, Workload
+from sarathi_pp.config import EngineConfig
+from sarathi_pp.report.request_metrics import load_requests, request_summary
+from sarathi_pp.run_dir import prepare_run_dir, write_requests_csv
+
+PEERS = ("hf",)
+COMPARISON_FILE = "comparison.json"
+CAPACITY_FILE = "capacity.json"
+PEER_SUMMARY_VERSION = 1
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    schedulers: tuple[str, ...]
+    run_dir: Path
+    peer: str | None = None
+    overwrite: bool = False
+    capacity: bool = False
+    slo: Slo | None = None
+    start_rate: float | None = None
+    max_probes: int = 8
+    rel_tol: float = 0.1
+    time_limit_s: float | None = None
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from sarathi_pp.scheduler.registry import scheduler_names
+
+        if not self.schedulers:
+            raise ValueError("no schedulers given")
+        for s in self.schedulers:
+            if s not in scheduler_names():
+                raise ValueError(f"unknown scheduler {s!r}; valid: {', '.join(scheduler_names())}")
+        if len(set(self.schedulers)) != len(self.schedulers):
+            raise ValueError(f"a scheduler is listed twice: {', '.join(self.schedulers)}")
+        if self.peer is not None and self.peer not in PEERS:
+            raise ValueError(f"unknown peer {self.peer!r}; valid: {', '.join(PEERS)}")
+        if self.capacity and self.slo is None:
+            raise ValueError("the capacity search needs an SLO: give --slo-tbt-p99 SECONDS")
+        if self.capacity and self.peer is not None:
+            raise ValueError(
+                "the capacity search runs our schedulers only: drop --peer, or run the peer "
+                "without --capacity at a fixed rate (--rate)"
+            )
+
+
+def peer_threads(config: EngineConfig) -> int:
+    """The threads our stages use together: the peer gets as many (like for like)."""
+    from sarathi_pp.stages.pipeline_stage import threads_per_stage
+
+    num_stages = config.parallel.pipeline_parallel_size
+    if num_stages == 1:
+        import torch
+
+        return config.parallel.num_threads_per_stage or torch.get_num_threads()
+    return num_stages * threads_per_stage(num_stages, config.parallel.num_threads_per_stage)
+
+
+class Bench:
+    """Runs the benchmark; ``run()`` returns the comparison (also written to disk)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        workload: Workload,
+        options: BenchOptions,
+        bar: Callable[[str, int], Any] | None = None,
+    ) -> None:
+        self.config = config.replace(run_dir=None, scheduler=options.schedulers[0])
+        self.workload = workload
+        self.options = options
+        self.bar = bar  # (description, total) -> a tqdm-like object (update, close)
+        self.dir = prepare_run_dir(options.run_dir, options.overwrite)
+        self.engine: Any = None
+        self.requests: list[BenchRequest] = []
+
+    def start(self) -> None:
+        """Load the stages and build and check every request: a bad workload raises
+        ``ValueError`` here, before any request runs."""
+        from sarathi_pp.engine import LLMEngine
+
+        self.engine = LLMEngine(self.config)
+        try:
+            self.requests = self._requests(self.engine, self.workload)
+        except BaseException:
+            self.engine.shutdown()
+            raise
+
+    def run(self) -> dict[str, Any]:
+        """Every scheduler, then the peer; writes and returns the comparison."""
+        if self.engine is None:
+            self.start()
+        engine, requests = self.engine, self.requests
+        try:
+            runs = [self._run_scheduler(engine, s, requests) for s in self.options.schedulers]
+            model_dir, dtype = engine.model_dir, engine.resolved_config.model.dtype
+        finally:
+            engine.shutdown()
+        if self.options.peer == "hf":
+            runs.append(self._run_peer(model_dir, dtype, requests))
+        comparison = build_comparison(runs, self._workload_entry(), self.config.to_dict())
+        (self.dir / COMPARISON_FILE).write_text(json.dumps(comparison, indent=2) + "\n")
+        self._plots(runs)
+        return comparison
+
+    def table(self, comparison: dict[str, Any]) -> str:
+        return format_table(comparison)
+
+    # --- our schedulers ------------------------------------------------------------------
+    def _requests(self, engine: Any, workload: Workload) -> list[BenchRequest]:
+        """The workload's requests, every prompt checked against every scheduler before
+        any work starts (a prompt vllm/orca cannot run unchunked is named here)."""
+        requests = workload.requests(engine.spec.vocab_size, engine.max_model_len)
+        for s in self.options.schedulers:
+            engine.set_scheduler(policy=s)
+            for r in requests:
+                engine.validate_prompt(list(r.prompt_token_ids), f"{s}: request {r.request_id}")
+        return requests
+
+    def _run_scheduler(
+        self, engine: Any, policy: str, requests: list[BenchRequest]
+    ) -> dict[str, Any]:
+        engine.set_scheduler(policy=policy)
+        run_dir = self.dir / policy
+        if self.options.capacity:
+            return self._capacity(engine, policy, run_dir)
+        self._serve(engine, requests, run_dir, policy)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return engine_run_entry(policy, policy, summary)
+
+    def _serve(self, engine: Any, requests: list[BenchRequest], run_dir: Path, desc: str) -> None:
+        bar = self.bar(desc, len(requests)) if self.bar and self.options.progress else None
+        progress = None if bar is None else (lambda n: bar.update(n - bar.n))
+        try:
+            serve_run(engine, requests, run_dir, progress)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _capacity(self, engine: Any, policy: str, run_dir: Path) -> dict[str, Any]:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe_dirs: dict[float, Path] = {}
+
+        def probe(rate: float) -> dict[str, Any]:
+            d = run_dir / "probes" / f"rate-{rate:.4g}"
+            probe_dirs[rate] = d
+            requests = self._requests_at(engine, rate)
+            self._serve(engine, requests, d, f"{policy} @ {rate:.3g} req/s")
+            return json.loads((d / "summary.json").read_text())["requests"]
+
+        o = self.options
+        result = search_capacity(
+            probe,
+            o.slo,  # type: ignore[arg-type]  # checked in BenchOptions
+            o.start_rate or self.workload.rate or 1.0,
+            max_probes=o.max_probes,
+            rel_tol=o.rel_tol,
+            time_limit_s=o.time_limit_s,
+        )
+        (run_dir / CAPACITY_FILE).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        # The table shows the run at the capacity (or the lowest rate when not met).
+        shown = result.capacity if result.capacity is not None else min(probe_dirs)
+        d = probe_dirs[shown]
+        summary = json.loads((d / "summary.json").read_text())
+        entry = engine_run_entry(policy, str(d.relative_to(self.dir)), summary)
+        entry["capacity"] = result.to_dict()
+        entry["note"] = f"{result.describe()}; figures at {shown:.3g} req/s"
+        return entry
+
+    def _requests_at(self, engine: Any, rate: float) -> list[BenchRequest]:
+        return self.workload.with_rate(rate).requests(engine.spec.vocab_size, engine.max_model_len)
+
+    # --- the peer ------------------------------------------------------------------------
+    def _run_peer(self, model_dir: Any, dtype: str, requests: list[BenchRequest]) -> dict[str, Any]:
+        from sarathi_pp.bench.peer_hf import run_hf_peer
+
+        name = f"peer-{self.options.peer}"
+        run_dir = self.dir / name
+        run_dir.mkdir(exist_ok=True)
+        bar = self.bar(name, len(requests)) if self.bar and self.options.progress else None
+        progress = None if bar is None else (lambda n: bar.update(n - bar.n))
+        try:
+            result = run_hf_peer(
+                model_dir,
+                requests,
+                dtype=dtype,
+                num_threads=peer_threads(self.config),
+                progress=progress,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        write_requests_csv(run_dir, result.outputs)
+        summary = {
+            "schema_version": PEER_SUMMARY_VERSION,
+            "peer": self.options.peer,
+            "mode": result.mode,
+            "latency_comparable": result.latency_comparable,
+            "note": result.note,
+            "requests": request_summary(load_requests(run_dir / "requests.csv")),
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return peer_run_entry(
+            name, name, summary["requests"], result.latency_comparable, result.note
+        )
+
+    # --- outputs -------------------------------------------------------------------------
+    def _workload_entry(self) -> dict[str, Any]:
+        w = self.workload
+        return {
+            "name": w.name,
+            "description": w.describe(),
+            "pd_ratio": w.pd_ratio(),
+            "rate": w.rate,
+            "num_requests": w.num_requests,
+        }
+
+    def _plots(self, runs: list[dict[str, Any]]) -> None:
+        from sarathi_pp.bench.plots import draw_cdfs
+
+        rows = {r["name"]: load_requests(self.dir / r["run_dir"] / "requests.csv") for r in runs}
+        draw_cdfs(rows, self.dir, title=self.workload.describe())
