@@ -24,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from common import load_average
+from common import load_args_workload, load_average
 
 from sarathi_pp import LLM, SamplingParams
-from sarathi_pp.bench.workload import BenchRequest, Workload, load_workload
+from sarathi_pp.bench.workload import BenchRequest
 from sarathi_pp.report import write_report
 from sarathi_pp.report.text import format_comparison
 
@@ -47,23 +47,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--quick", action="store_true", help=f"default workload {QUICK_WORKLOAD}")
     return p.parse_args(argv)
-
-
-def load_args_workload(args: argparse.Namespace) -> Workload:
-    """The workload of ``--workload`` (or the default, or ``--quick``'s), at most
-    ``--num-requests``; refuses arrival times: ``generate`` submits every request at once."""
-    try:
-        workload = load_workload(args.workload or (QUICK_WORKLOAD if args.quick else WORKLOAD))
-        if args.num_requests is not None:
-            workload = workload.with_num_requests(args.num_requests)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
-    if workload.arrivals.kind != "all_at_once":
-        raise SystemExit(
-            f"error: {workload.describe()}: this script submits every request at t=0; "
-            "use an all_at_once workload (sarathi-pp bench replays arrival times)"
-        )
-    return workload
 
 
 def run_one(args, scheduler: str, requests: list[BenchRequest], run_dir: Path) -> float:
@@ -90,7 +73,7 @@ def run_one(args, scheduler: str, requests: list[BenchRequest], run_dir: Path) -
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    workload = load_args_workload(args)
+    workload = load_args_workload(args, WORKLOAD, QUICK_WORKLOAD)
     requests = workload.requests(VOCAB_SIZE)
     names, summaries = [], []
     for scheduler in args.schedulers.split(","):

@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: threads, machine description, timing, FLOPs.
+"""Helpers shared by the benchmark scripts: threads, machine description, timing, workloads,
+FLOPs.
 
 Not part of the package: the scripts run from the repository root
 (``python benchmarks/piggyback.py``), and this module sits next to them.
@@ -16,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from sarathi_pp.bench.workload import Workload, load_workload
 from sarathi_pp.model_spec import ModelSpec
 
 
@@ -93,6 +95,24 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[
     """One list of random token ids per length, from ``seed``."""
     rng = random.Random(seed)
     return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+
+
+def load_args_workload(args: argparse.Namespace, default: str, quick: str) -> Workload:
+    """The workload of ``--workload`` (or ``default``, or ``quick`` under ``--quick``), at
+    most ``--num-requests``; refuses arrival times: ``generate`` submits every request at
+    once."""
+    try:
+        workload = load_workload(args.workload or (quick if args.quick else default))
+        if args.num_requests is not None:
+            workload = workload.with_num_requests(args.num_requests)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    if workload.arrivals.kind != "all_at_once":
+        raise SystemExit(
+            f"error: {workload.describe()}: this script submits every request at t=0; "
+            "use an all_at_once workload (sarathi-pp bench replays arrival times)"
+        )
+    return workload
 
 
 # --- model FLOPs -----------------------------------------------------------------------------

@@ -44,10 +44,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 
 import torch  # noqa: E402
-from common import load_average, machine_line, random_prompts  # noqa: E402
+from common import load_args_workload, load_average, machine_line, random_prompts  # noqa: E402
 
 from sarathi_pp import LLM, SamplingParams  # noqa: E402
-from sarathi_pp.bench.workload import BenchRequest, Workload, load_workload  # noqa: E402
+from sarathi_pp.bench.workload import BenchRequest  # noqa: E402
 
 WORKLOAD = "configs/workloads/pipeline-scaling.yaml"
 QUICK_WORKLOAD = "configs/workloads/short.yaml"
@@ -74,23 +74,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     return args
-
-
-def load_args_workload(args: argparse.Namespace) -> Workload:
-    """The workload of ``--workload`` (or the default, or ``--quick``'s), at most
-    ``--num-requests``; refuses arrival times: ``generate`` submits every request at once."""
-    try:
-        workload = load_workload(args.workload or (QUICK_WORKLOAD if args.quick else WORKLOAD))
-        if args.num_requests is not None:
-            workload = workload.with_num_requests(args.num_requests)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
-    if workload.arrivals.kind != "all_at_once":
-        raise SystemExit(
-            f"error: {workload.describe()}: this script submits every request at t=0; "
-            "use an all_at_once workload (sarathi-pp bench replays arrival times)"
-        )
-    return workload
 
 
 # --- probes ----------------------------------------------------------------------------------
@@ -370,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     if os.getloadavg()[0] > 1.0:
         print("WARNING: load average > 1: other processes compete for the cores; times are noisy")
-    workload = load_args_workload(args)
+    workload = load_args_workload(args, WORKLOAD, QUICK_WORKLOAD)
     requests = workload.requests(NUM_BYTE_TOKENS)
     num_prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     num_output_tokens = sum(r.output_tokens for r in requests)
