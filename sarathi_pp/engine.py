@@ -12,9 +12,10 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from sarathi_pp.config import EngineConfig
+from sarathi_pp.config import EngineConfig, SchedulerConfig
 from sarathi_pp.events import EventLog
 from sarathi_pp.executor import Executor, StageError, StepResult, create_executor
 from sarathi_pp.memory import num_kv_blocks
@@ -24,8 +25,9 @@ from sarathi_pp.outputs import CompletionOutput, RequestOutput
 from sarathi_pp.plan import MicroBatchPlan
 from sarathi_pp.run_dir import prepare_run_dir, write_config
 from sarathi_pp.sampling_params import SamplingParams
-from sarathi_pp.scheduler import create_scheduler
-from sarathi_pp.scheduler.base import IDLE_DEPENDENCY
+from sarathi_pp.scheduler import Scheduler, create_scheduler
+from sarathi_pp.scheduler.base import IDLE_DEPENDENCY, IDLE_NO_WORK
+from sarathi_pp.scheduler.chunk_tuner import engine_decode_batch
 from sarathi_pp.sequence import Sequence, SequenceStatus
 from sarathi_pp.tokenizer import Detokenizer, has_tokenizer, load_tokenizer
 
@@ -109,13 +111,7 @@ class LLMEngine:
         )
         self.executor.init_kv_cache(self.num_kv_blocks, self.block_size)
         self.max_inflight = config.parallel.microbatches_in_flight
-        self.scheduler = create_scheduler(
-            config.scheduler,
-            self.num_kv_blocks,
-            self.block_size,
-            self.max_model_len,
-            self.max_inflight,
-        )
+        self.scheduler = self._create_scheduler(config.scheduler)
         self.resolved_config = config.replace(
             max_model_len=self.max_model_len, block_size=self.block_size
         )
@@ -130,11 +126,30 @@ class LLMEngine:
             raise RuntimeError("set_scheduler needs an idle engine (requests are unfinished)")
         config = self.config.replace(**{f"scheduler.{k}": v for k, v in overrides.items()})
         old = self.scheduler
-        self.scheduler = create_scheduler(
-            config.scheduler, self.num_kv_blocks, self.block_size, self.max_model_len, self.max_inflight
-        )
+        self.scheduler = self._create_scheduler(config.scheduler)
         self.scheduler._next_microbatch_id = old._next_microbatch_id  # ids stay unique per run
         self.config = config
+
+    def _create_scheduler(self, config: SchedulerConfig) -> Scheduler:
+        # B of chunk_size: auto's plan (see engine_decode_batch for which figure).
+        max_decode_batch = None
+        if config.chunk_size == "auto":
+            max_decode_batch = engine_decode_batch(
+                self.config.cache,
+                self.stage_memory,
+                self.num_kv_blocks,
+                self.block_size,
+                self.max_model_len,
+                config.max_num_seqs,
+            )
+        return create_scheduler(
+            config,
+            self.num_kv_blocks,
+            self.block_size,
+            self.max_model_len,
+            self.max_inflight,
+            max_decode_batch,
+        )
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.spec.eos_token_ids)
@@ -218,6 +233,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._inflight)
 
+    @property
+    def num_inflight(self) -> int:
+        """Micro-batches issued to the stages whose sampled tokens are not back yet."""
+        return len(self._inflight)
+
     # --- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self._issue()
@@ -236,6 +256,7 @@ class LLMEngine:
         """Issue every micro-batch the scheduler can, up to the in-flight limit."""
         while len(self._inflight) < self.max_inflight:
             now = self.now()
+            self._log_chunk_size(now)
             plan = self.scheduler.schedule(now)
             if plan is None:
                 if self.events is not None:
@@ -247,6 +268,12 @@ class LLMEngine:
             self._inflight.append(plan)
         if self.events is not None:  # the in-flight limit holds the next micro-batch back
             self.events.idle(self.now(), IDLE_DEPENDENCY)
+
+    def _log_chunk_size(self, now: float) -> None:
+        """The budget in force before each scheduling attempt: the log records it the first
+        time and whenever it changed (``chunk_size: auto`` re-plans on add and finish)."""
+        if self.events is not None and self.scheduler.chunks_prompts:
+            self.events.chunk_size(now, self.scheduler.chunk_size)
 
     def _apply(self, plan: MicroBatchPlan, result: StepResult) -> list[RequestOutput]:
         now = self.now()
@@ -330,12 +357,27 @@ class LLMEngine:
             error=seq.error,
         )
 
+    def start_run(self, run_dir: str | Path, overwrite: bool = False) -> None:
+        """Record from now on into a new run dir (``config.yaml`` with the scheduler in
+        force, a fresh event log), keeping the live stages: the serving benchmark gives
+        each scheduler its own run dir. Only while no request is unfinished."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("start_run needs an idle engine (requests are unfinished)")
+        self.run_dir = prepare_run_dir(run_dir, overwrite)
+        config = self.config.replace(max_model_len=self.max_model_len, block_size=self.block_size)
+        write_config(self.run_dir, config)
+        self.events = EventLog(self.config.parallel.pipeline_parallel_size, self.now(), config.to_dict())
+
     def write_run_records(self) -> None:
         """Write ``events.jsonl`` and rebuild the report files in the run dir (if any)."""
         if self.run_dir is None or self.events is None:
             return
-        self.events.end_idle(self.now())
+        now = self.now()
+        self.events.end_idle(now)
         self.events.write(self.run_dir / "events.jsonl")
+        # Until the next request the engine has no work: a later generate() call's log then
+        # shows the gap as no_work, not as a scheduling bubble.
+        self.events.idle(now, IDLE_NO_WORK)
         from sarathi_pp.report import write_report
 
         write_report(self.run_dir)

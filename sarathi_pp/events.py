@@ -22,7 +22,11 @@ Schema version 1 (``SCHEMA_VERSION``), by ``type``:
             sequence waited for its sampled token, no KV block was free, or the in-flight
             limit was reached).
 ``done``    the driver received a micro-batch's sampled tokens: ``mb``, ``t``.
-``chunk_size`` the token budget in force from ``t`` on (``t``, ``chunk_size``).
+``chunk_size`` the token budget in force from ``t`` on (``t``, ``chunk_size``): written
+            by the engine before the first micro-batch of a scheduler that chunks
+            (sarathi, simple_chunking) and again whenever the budget changes
+            (``chunk_size: auto``, ``set_scheduler``). Optional: a log without these
+            records (another policy, an older run) is still valid.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ class EventLog:
              "t0": t0, "config": config}
         ]
         self._idle_since: tuple[float, str] | None = None
+        self._chunk_size: int | None = None  # the last chunk_size recorded
 
     def stage(self, e: StageEvent) -> None:
         self.records.append({"type": "stage", **asdict(e.shifted(self.t0))})
@@ -94,6 +99,13 @@ class EventLog:
 
     def done(self, mb: int, t: float) -> None:
         self.records.append({"type": "done", "mb": mb, "t": t - self.t0})
+
+    def chunk_size(self, t: float, chunk_size: int) -> None:
+        """The scheduler's token budget is ``chunk_size`` from ``t`` on; recorded the first
+        time and when it differs from the last record (so callable before every plan)."""
+        if chunk_size != self._chunk_size:
+            self._chunk_size = chunk_size
+            self.records.append({"type": "chunk_size", "t": t - self.t0, "chunk_size": chunk_size})
 
     def write(self, path: str | Path) -> None:
         with open(path, "w") as f:

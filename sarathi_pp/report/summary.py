@@ -11,12 +11,17 @@ Layout (times in seconds)::
     overall: {busy_s, idle_s, window_s, bubble_fraction, bubbles_s, fill_s, drain_s,
               fill_drain_s, num_microbatches, microbatches_by_kind: {kind: count}}
     requests: see ``request_metrics.request_summary``
+    chunk_size: {auto, initial, final, min, max, num_changes, changes: [[t_s, chunk_size]]}
+            # the token budget over the run, from the log's chunk_size records (``changes``
+            # lists every record, the first is the budget at the first micro-batch); null
+            # without records (a policy that runs whole prompts, an older log)
 
 ``overall`` sums the stages; its ``bubble_fraction`` is total idle / total window.
 """
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 from sarathi_pp.events import StageEvent
@@ -41,6 +46,23 @@ def build_summary(log: RunLog, analysis: BubbleAnalysis, rows: list[RequestRow])
         "stages": stages,
         "overall": _overall(analysis.stages, log),
         "requests": request_summary(rows),
+        "chunk_size": chunk_size_summary(log),
+    }
+
+
+def chunk_size_summary(log: RunLog) -> dict[str, Any] | None:
+    """The token budget over time; ``None`` when the log has no ``chunk_size`` record."""
+    if not log.chunk_sizes:
+        return None
+    values = [v for _, v in log.chunk_sizes]
+    return {
+        "auto": (log.config.get("scheduler") or {}).get("chunk_size") == "auto",
+        "initial": values[0],
+        "final": values[-1],
+        "min": min(values),
+        "max": max(values),
+        "num_changes": sum(1 for a, b in pairwise(values) if a != b),
+        "changes": [[t, v] for t, v in log.chunk_sizes],
     }
 
 

@@ -85,12 +85,39 @@ def _request_rows(req: dict[str, Any]) -> list[str]:
     return lines
 
 
+def chunk_size_text(summary: dict[str, Any]) -> str | None:
+    """``chunk_size auto: 256 at the start, 384 at the end (256-512, 5 changes)``, or
+    ``chunk_size 256``; ``None`` when the summary has none (older ones lack the key)."""
+    c = summary.get("chunk_size")
+    if not c:
+        return None
+    if not c["auto"] and c["num_changes"] == 0:
+        return f"chunk_size {c['final']}"
+    head = "chunk_size auto" if c["auto"] else "chunk_size"
+    return (
+        f"{head}: {c['initial']} at the start, {c['final']} at the end "
+        f"({c['min']}-{c['max']}, {c['num_changes']} changes)"
+    )
+
+
+def _chunk_cell(summary: dict[str, Any]) -> str:
+    """``256``, or ``auto 256-512`` (the range the budget took)."""
+    c = summary.get("chunk_size")
+    if not c:
+        return "-"
+    span = str(c["min"]) if c["min"] == c["max"] else f"{c['min']}-{c['max']}"
+    return f"auto {span}" if c["auto"] else span
+
+
 def format_run(name: str, summary: dict[str, Any]) -> str:
     w = summary["window"]
     lines = [
         f"== {name} (scheduler {summary.get('scheduler') or '?'}, "
         f"{summary['num_stages']} stages, {_kinds(summary)})"
     ]
+    chunk = chunk_size_text(summary)
+    if chunk is not None:
+        lines.append(chunk)
     if summary["steady_state"]:
         lines.append(
             f"steady-state window {w['start_s']:.4f}-{w['end_s']:.4f} s "
@@ -127,6 +154,7 @@ def format_comparison(names: list[str], summaries: list[dict[str, Any]]) -> str:
     width = max(14, *(len(n) + 2 for n in names))
     row = lambda label, cells: f"{label:<26}" + "".join(f"{c:>{width}}" for c in cells)  # noqa: E731
     lines = [row("", names), row("scheduler", [s.get("scheduler") or "?" for s in summaries])]
+    lines.append(row("chunk_size", [_chunk_cell(s) for s in summaries]))
     for label, path, unit, *_ in COMPARED:
         lines.append(row(label, [fmt(_get(s, path), unit) for s in summaries]))
     num_stages = max(s["num_stages"] for s in summaries)

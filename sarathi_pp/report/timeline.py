@@ -1,6 +1,7 @@
 """``timeline.png``: stages as rows, micro-batches as boxes coloured by kind, bubbles as thin
-bars under each row coloured by class, the scheduler's idle spans on a row of their own, and
-the pipeline fill and drain shaded grey.
+bars under each row coloured by class, the scheduler's idle spans on a row of their own (with
+its issue ticks and, when the log has it, the chunk_size budget as a step line), and the
+pipeline fill and drain shaded grey.
 
 Drawn with matplotlib's object API on an Agg canvas (no ``pyplot``: nothing global
 changes for a caller that plots too). matplotlib is a base dependency; should it be missing,
@@ -30,6 +31,8 @@ CLASS_COLORS = {
 LABEL_MAX_MICROBATCHES = 40  # above this many per stage the boxes are too narrow for ids
 BOX = (0.42, 0.5)  # a stage row's micro-batch boxes: (bottom offset, height)
 BAR = (0.12, 0.22)  # its bubble bar under them
+CHUNK_BAND = (0.45, 0.4)  # the scheduler row's chunk_size line: (bottom offset, height)
+LABEL_MAX_CHUNK_CHANGES = 12  # above this many the budget's values are not written
 
 
 def _time_unit(duration: float) -> tuple[float, str]:
@@ -88,6 +91,21 @@ def _scheduler_row(ax: Any, log: RunLog, scale: float) -> None:
     ax.vlines(ts, y + 0.4, y + 0.8, colors="#444444", linewidth=0.5)
 
 
+def _chunk_size_line(ax: Any, log: RunLog, run_end: float, scale: float) -> None:
+    """The budget in force as a step line over the scheduler row, low to high."""
+    if not log.chunk_sizes:
+        return
+    ts = [t for t, _ in log.chunk_sizes] + [max(run_end, log.chunk_sizes[-1][0])]
+    values = [v for _, v in log.chunk_sizes]
+    lo, hi = min(values), max(values)
+    y0 = log.num_stages + CHUNK_BAND[0]
+    ys = [y0 + CHUNK_BAND[1] * ((v - lo) / (hi - lo) if hi > lo else 0.5) for v in values]
+    ax.step([t * scale for t in ts], [*ys, ys[-1]], where="post", color="#d62728", linewidth=1)
+    if len(values) <= LABEL_MAX_CHUNK_CHANGES:
+        for t, v, y in zip(ts[:-1], values, ys, strict=True):
+            ax.text(t * scale, y, f" {v}", fontsize=6, color="#d62728", va="bottom")
+
+
 def _yticks(ax: Any, log: RunLog, analysis: BubbleAnalysis) -> None:
     labels = [
         f"stage {s}\nbubbles {analysis.stages[s].idle_s / analysis.window.duration:.0%}"
@@ -96,7 +114,8 @@ def _yticks(ax: Any, log: RunLog, analysis: BubbleAnalysis) -> None:
         for s in range(log.num_stages)
     ]
     ticks = [log.num_stages - 1 - s + 0.5 for s in range(log.num_stages)]
-    ax.set_yticks([*ticks, log.num_stages + 0.5], [*labels, "scheduler\n(idle | issue)"])
+    sched = "scheduler\n(idle | issue)" + ("\n+ chunk_size" if log.chunk_sizes else "")
+    ax.set_yticks([*ticks, log.num_stages + 0.5], [*labels, sched])
     ax.set_ylim(0, log.num_stages + 1)
 
 
@@ -142,6 +161,7 @@ def draw_timeline(
     _layout(fig, ax)
     _stage_rows(ax, log, analysis, scale)
     _scheduler_row(ax, log, scale)
+    _chunk_size_line(ax, log, analysis.run_end, scale)
     _yticks(ax, log, analysis)
     _shade_fill_drain(ax, analysis, scale)
     ax.set_xlabel(f"time ({unit}, from the event log's t0)")

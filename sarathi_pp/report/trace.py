@@ -5,7 +5,8 @@ event per micro-batch, named ``mb <id> <kind>``, token counts in ``args``) and
 ``bubbles`` (one ``X`` event per idle segment, named by its class; ``args.phase`` is
 ``fill``, ``steady`` or ``drain``). A last process, "scheduler", holds the ``issue``
 instants, the scheduler's ``idle`` spans (named by reason), the ``done`` instants and a
-``chunk_size`` counter. Times are microseconds from the event log's ``t0``.
+``chunk_size`` counter (the token budget in force, one sample per record and one at the
+run's end to draw the last step). Times are microseconds from the event log's ``t0``.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def stage_events(log: RunLog, analysis: BubbleAnalysis, s: int) -> list[dict[str
     return out
 
 
-def scheduler_events(log: RunLog, pid: int) -> list[dict[str, Any]]:
+def scheduler_events(log: RunLog, pid: int, run_end: float | None = None) -> list[dict[str, Any]]:
     out = _meta(pid, "scheduler", {0: "scheduler"})
     for i in log.issues:
         out.append(
@@ -138,7 +139,10 @@ def scheduler_events(log: RunLog, pid: int) -> list[dict[str, Any]]:
         out.append(_span(pid, 0, idle.reason, "scheduler", idle.start, idle.end, {}))
     for mb, t in log.dones:
         out.append(_instant(pid, f"done mb {mb}", "done", t, {"mb": mb}))
-    for t, n in log.chunk_sizes:
+    samples = list(log.chunk_sizes)
+    if samples and run_end is not None and run_end > samples[-1][0]:
+        samples.append((run_end, samples[-1][1]))
+    for t, n in samples:
         out.append(
             {
                 "ph": "C",
@@ -156,7 +160,7 @@ def build_trace(log: RunLog, analysis: BubbleAnalysis) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     for s in range(log.num_stages):
         events += stage_events(log, analysis, s)
-    events += scheduler_events(log, log.num_stages + 1)
+    events += scheduler_events(log, log.num_stages + 1, analysis.run_end)
     w = analysis.window
     return {
         "traceEvents": events,

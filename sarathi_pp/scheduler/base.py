@@ -17,6 +17,7 @@ from collections import deque
 from sarathi_pp.block_manager import BlockManager
 from sarathi_pp.config import SchedulerConfig
 from sarathi_pp.plan import MicroBatchPlan, ScheduledChunk
+from sarathi_pp.scheduler.chunk_tuner import ChunkTuner, kv_decode_batch
 from sarathi_pp.sequence import Sequence, SequenceStatus
 
 # Why the scheduler had nothing to issue (recorded as bubble causes on stage 0).
@@ -24,9 +25,14 @@ IDLE_NO_WORK = "no_work"  # no request has arrived (or everything is finished)
 IDLE_DEPENDENCY = "dependency"  # work exists but waits for sampled tokens or free KV blocks
 
 Selection = list[tuple[Sequence, int]]  # (sequence, number of tokens to issue)
+# A request that ends this way shows the workload's P:D (an aborted or failed one does not).
+_OBSERVED = (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH)
 
 
 class Scheduler(ABC):
+    chunks_prompts = True
+    """Whether the policy splits prompts by the ``chunk_size`` budget (vllm/orca: no)."""
+
     def __init__(
         self,
         config: SchedulerConfig,
@@ -34,7 +40,10 @@ class Scheduler(ABC):
         block_size: int,
         max_model_len: int,
         num_microbatches_in_flight: int = 1,
+        max_decode_batch: int | None = None,
     ) -> None:
+        """``max_decode_batch``: B of ``chunk_size: auto``'s plan (the engine's figure from
+        the stages' memory); ``None`` = what ``num_blocks`` holds (``kv_decode_batch``)."""
         self.config = config
         self.max_model_len = max_model_len
         self.num_microbatches_in_flight = num_microbatches_in_flight
@@ -47,12 +56,34 @@ class Scheduler(ABC):
         self._step = 0
         self.idle_reason: str | None = None
         self.num_preemptions = 0
+        self.tuner: ChunkTuner | None = None  # set for ``chunk_size: auto``
+        # Policies that run whole prompts ignore chunk_size, "auto" included (README:
+        # settings a policy does not use are accepted, so one config serves every policy).
+        if config.chunk_size == "auto" and self.chunks_prompts:
+            if max_decode_batch is None:
+                max_decode_batch = kv_decode_batch(
+                    num_blocks, block_size, max_model_len, config.max_num_seqs
+                )
+            self.tuner = ChunkTuner(
+                config, max_decode_batch, num_microbatches_in_flight, max_model_len
+            )
+
+    @property
+    def chunk_size(self) -> int:
+        """The token budget of the next micro-batch: fixed, or the tuner's current value
+        (it changes only in ``add`` and ``finish``, never inside ``schedule``)."""
+        if self.tuner is not None:
+            return self.tuner.chunk_size
+        assert isinstance(self.config.chunk_size, int), self.config.chunk_size
+        return self.config.chunk_size
 
     # --- requests ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         assert seq.seq_id not in self.seqs, seq
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
+        if self.tuner is not None:
+            self.tuner.on_added(seq.num_prompt_tokens, seq.params.max_tokens)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -67,6 +98,8 @@ class Scheduler(ABC):
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release_if_idle(seq)
+        if self.tuner is not None and status in _OBSERVED:
+            self.tuner.on_finished(seq.num_prompt_tokens, seq.num_output_tokens)
 
     def _release_if_idle(self, seq: Sequence) -> None:
         if seq.is_finished and seq.num_inflight == 0:

@@ -21,23 +21,27 @@ def scheduler_names() -> list[str]:
     return list(_POLICIES)
 
 
+def policy_class(policy: str) -> type[Scheduler]:
+    if policy not in _POLICIES:
+        raise ValueError(f"unknown scheduler {policy!r}; valid: {', '.join(scheduler_names())}")
+    module, _, name = _POLICIES[policy].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def create_scheduler(
     config: SchedulerConfig,
     num_blocks: int,
     block_size: int,
     max_model_len: int,
     num_microbatches_in_flight: int = 1,
+    max_decode_batch: int | None = None,
 ) -> Scheduler:
-    if config.policy not in _POLICIES:
-        raise ValueError(
-            f"unknown scheduler {config.policy!r}; valid: {', '.join(scheduler_names())}"
-        )
-    module, _, name = _POLICIES[config.policy].partition(":")
-    cls = getattr(importlib.import_module(module), name)
-    return cls(
+    """``max_decode_batch``: B for ``chunk_size: auto`` (see ``Scheduler``)."""
+    return policy_class(config.policy)(
         config,
         num_blocks=num_blocks,
         block_size=block_size,
         max_model_len=max_model_len,
         num_microbatches_in_flight=num_microbatches_in_flight,
+        max_decode_batch=max_decode_batch,
     )

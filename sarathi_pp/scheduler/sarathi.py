@@ -1,8 +1,9 @@
 """SARATHI: decode-maximal batching with chunked prefills.
 
-Every micro-batch has ``chunk_size`` rows at most. The running decodes go first (they are
-nearly free when they ride along a prefill chunk's matmuls); the rest of the budget takes
-the next chunk of the prefill in progress and then of waiting requests (FCFS). With
+Every micro-batch has ``chunk_size`` rows at most (``Scheduler.chunk_size``: the budget in
+force, fixed or ``chunk_size: auto``'s current value). The running decodes go first (they
+are nearly free when they ride along a prefill chunk's matmuls); the rest of the budget
+takes the next chunk of the prefill in progress and then of waiting requests (FCFS). With
 ``tile_align`` the prefill is trimmed so that ``Lp + Bd`` is a multiple of ``tile_size``.
 """
 
@@ -14,7 +15,7 @@ from sarathi_pp.sequence import Sequence
 
 class SarathiScheduler(Scheduler):
     def _select(self, now: float) -> Selection:
-        budget = self.config.chunk_size
+        budget = self.chunk_size
         selection: Selection = []
         picked: set[int] = set()
         budget -= self._take_decodes(selection, picked, min(budget, self._decode_share()))

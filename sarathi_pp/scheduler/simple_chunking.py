@@ -25,12 +25,12 @@ class SimpleChunkingScheduler(SarathiScheduler):
 
     def _decodes(self, now: float) -> Selection:
         selection: Selection = []
-        self._take_decodes(selection, set(), min(self.config.chunk_size, self._decode_share()))
+        self._take_decodes(selection, set(), min(self.chunk_size, self._decode_share()))
         return selection
 
     def _prefills(self, now: float) -> Selection:
         selection: Selection = []
-        self._take_prefills(selection, set(), self.config.chunk_size, now)
+        self._take_prefills(selection, set(), self.chunk_size, now)
         if self.config.tile_align:
             selection = self._trim_to_tile(selection)
         return self._reserve_prefills(selection)

@@ -12,6 +12,8 @@ from sarathi_pp.scheduler.base import Scheduler, Selection
 
 
 class VLLMScheduler(Scheduler):
+    chunks_prompts = False  # whole prompts: ``chunk_size`` is not used
+
     def _select(self, now: float) -> Selection:
         selection = self._take_whole_prompts(now, self._token_cap())
         if selection:

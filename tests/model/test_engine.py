@@ -193,7 +193,7 @@ def test_missing_layer_weights_are_named(llama_dir, tmp_path):
 def test_bad_configs(llama_dir):
     with pytest.raises(ValueError, match="unknown scheduler 'fifo'.*sarathi"):
         LLM(str(llama_dir), scheduler="fifo")
-    with pytest.raises(ValueError, match="chunk_size must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="chunk_size must be an integer >= 1 or 'auto', got 0"):
         LLM(str(llama_dir), chunk_size=0)
     with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len=512"):
         LLM(str(llama_dir), num_kv_blocks=4)

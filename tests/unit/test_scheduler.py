@@ -129,7 +129,7 @@ class Checker:
         kinds = [c.is_prefill for c in plan.chunks]
         assert kinds == sorted(kinds, reverse=True), f"layout: prefill rows first: {plan}"
         if cfg.policy in ("sarathi", "simple_chunking"):
-            assert plan.num_tokens <= cfg.chunk_size, plan
+            assert plan.num_tokens <= sched.chunk_size, plan  # the budget in force
         if cfg.policy in ("vllm", "simple_chunking"):
             assert plan.kind != "hybrid", plan
         if cfg.policy == "sarathi":
@@ -175,7 +175,7 @@ class Checker:
         """A ready decode may be left out of a plan with prefill rows only when the budget
         or the plan's share of the decodes was full, or when it had no KV block (then it was
         preempted or had no victim)."""
-        limit = min(self.cfg.chunk_size, self.decode_share)
+        limit = min(self.sched.chunk_size, self.decode_share)
         if plan.num_prefill_tokens and plan.num_decode_tokens < limit:
             assert not self._decodes_could_run(plan), f"a ready decode left out of {plan}"
 
