@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from sarathi_pp.config import DTYPES, FLAT_KEYS, EngineConfig, load_config, parse_set_value
+from sarathi_pp.launch.bench_cli import add_bench_parser
+from sarathi_pp.launch.plan_cli import add_plan_parser
+from sarathi_pp.launch.profile_cli import add_profile_parser
 from sarathi_pp.report.cli import add_report_parser
 from sarathi_pp.sampling_params import SamplingParams
 
@@ -72,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(subparsers)
     add_report_parser(subparsers)
     # further subcommands: one add_<name>_parser(subparsers) line each, below
+    add_bench_parser(subparsers)
+    add_plan_parser(subparsers)
+    add_profile_parser(subparsers)
     return parser
 
 

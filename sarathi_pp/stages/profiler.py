@@ -1,0 +1,216 @@
+"""Time one pipeline stage's forward on the machine at hand (``sarathi-pp profile``).
+
+The stage is built as the engine builds it (the config's layer partition, device, dtype,
+CPU threads and KV block size) as a lone ``StageWorker``, and each configuration of the
+grid is timed through ``StageWorker.execute`` on a hand-made plan: the exact path of a run
+(plan -> metadata -> layers -> sampler on the last stage), as ``benchmarks/piggyback.py``
+times it. A stage after the first gets random hidden states in place of its predecessor's.
+
+The KV cache is filled with random values instead of by prefills of every context
+(minutes): attention costs the same whatever the values, but not whatever the memory. On
+CPU the cache's zeros come from calloc, and a page never written reads from the kernel's
+one shared zero page, always in cache: attention over it would look cheaper than over a
+context a run wrote. Every sequence of a plan gets blocks of its own, so decodes read as
+much memory as in a run.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sarathi_pp.config import EngineConfig
+from sarathi_pp.model_spec import ModelSpec
+from sarathi_pp.plan import MicroBatchPlan, ScheduledChunk
+from sarathi_pp.profile_analysis import GridPoint, ProfileRow
+from sarathi_pp.sampling_params import SamplingParams
+from sarathi_pp.stages.attention import preferred_block_size
+from sarathi_pp.stages.device import resolve_device, resolve_dtype
+from sarathi_pp.stages.partition import partition_layers, stage_costs
+from sarathi_pp.stages.pipeline_stage import threads_per_stage, usable_cores
+from sarathi_pp.stages.runner import StageSpec, StageWorker
+
+# Decodes sample every step (one lm_head row each on the last stage), as in a run. A
+# prefill chunk samples only once per prompt, on its last chunk: left out of every row, so
+# a chunked and an unchunked prefill compare their forwards alone.
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class StageSetup:
+    """The stage to profile and how it runs."""
+
+    stage: StageSpec
+    block_size: int
+    threads: int | None  # torch intra-op threads on CPU; None on CUDA
+    threads_source: str  # where that number comes from, for the report
+
+
+def binding_stage(spec: ModelSpec, num_stages: int) -> int:
+    """The stage the partition's cost model finds most expensive (the last of equals):
+    the one that sets the pipeline's pace."""
+    costs = stage_costs(spec, partition_layers(spec, num_stages))
+    return max(range(num_stages), key=lambda k: (costs[k], k))
+
+
+def stage_setup(config: EngineConfig, spec: ModelSpec, stage_idx: int) -> StageSetup:
+    """Stage ``stage_idx`` of ``config``'s pipeline, resolved as the executors resolve it."""
+    num_stages = config.parallel.pipeline_parallel_size
+    ranges = partition_layers(spec, num_stages)  # ValueError: more stages than layers
+    if not 0 <= stage_idx < num_stages:
+        raise ValueError(
+            f"--stage {stage_idx} is not a stage of pipeline_parallel_size={num_stages} "
+            f"(stages 0..{num_stages - 1})"
+        )
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    start, end = ranges[stage_idx]
+    stage = StageSpec(stage_idx, num_stages, start, end, dtype, device)
+    block_size = config.cache.block_size or preferred_block_size(torch.device(device))
+    threads, source = None, f"{device}: threads do not apply"
+    if device == "cpu":
+        threads, source = stage_threads(config)
+    return StageSetup(stage, block_size, threads, source)
+
+
+def stage_threads(config: EngineConfig) -> tuple[int, str]:
+    """CPU threads a stage of ``config`` runs with, and why: ``PipelineStage``'s rule for
+    several stages; one stage (``UniprocExecutor``) keeps torch's default unless set."""
+    num_stages = config.parallel.pipeline_parallel_size
+    configured = config.parallel.num_threads_per_stage
+    if configured is not None:
+        return configured, "parallel.num_threads_per_stage"
+    if num_stages == 1:
+        return torch.get_num_threads(), "torch's default, as the single-process executor keeps it"
+    threads = threads_per_stage(num_stages, None)
+    return (
+        threads,
+        f"usable cores {usable_cores()} // {num_stages} stages, as each stage process sets",
+    )
+
+
+class StageProfiler:
+    """One stage's layers and a KV cache big enough for every configuration of a grid."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        model_dir: str | Path,
+        setup: StageSetup,
+        max_model_len: int,
+        points: list[GridPoint],
+        seed: int = 0,
+    ) -> None:
+        if setup.threads is not None:
+            torch.set_num_threads(setup.threads)
+        self.setup = setup
+        self.spec = spec
+        self.worker = StageWorker(spec, model_dir, setup.stage, max_model_len)
+        self.worker.load_model()
+        self.worker.init_kv_cache(max(self._blocks(pt) for pt in points), setup.block_size)
+        generator = torch.Generator(self.worker.device).manual_seed(seed)
+        for cache in (*self.worker.kv.k, *self.worker.kv.v):
+            cache.normal_(generator=generator)  # writes every page (module docstring)
+        self._rng = random.Random(seed)
+        self._hidden_pool = None
+        if not setup.stage.is_first:  # what the previous stage would send: any values do
+            w = self.worker
+            num_rows = max(pt.prefill_tokens + pt.decode_tokens for pt in points)
+            hidden = torch.randn(num_rows, spec.hidden_size, generator=generator, device=w.device)
+            self._hidden_pool = hidden.to(w.dtype)  # [rows, hidden]
+
+    def _blocks(self, pt: GridPoint) -> int:
+        """KV blocks ``pt`` needs: the prefill sequence's and each decode's own."""
+        bs = self.setup.block_size
+        prefill = -(-(pt.context_len + pt.prefill_tokens) // bs) if pt.prefill_tokens else 0
+        decode = -(-(pt.context_len + 1) // bs)  # + 1: the decode token's own slot
+        return prefill + pt.decode_tokens * decode
+
+    def plan(self, pt: GridPoint, microbatch_id: int = 0) -> MicroBatchPlan:
+        """The micro-batch of ``pt``: seq 0 prefills ``[x, x + p)``, seqs 1..d decode at x."""
+        bs, x = self.setup.block_size, pt.context_len
+        next_block = 0
+
+        def table(num_tokens: int) -> tuple[int, ...]:
+            nonlocal next_block
+            n = -(-num_tokens // bs)
+            next_block += n
+            return tuple(range(next_block - n, next_block))
+
+        chunks = []
+        if pt.prefill_tokens:
+            tokens = self._tokens(pt.prefill_tokens)
+            chunks.append(ScheduledChunk(0, x, tokens, True, table(x + pt.prefill_tokens)))
+        for seq_id in range(1, pt.decode_tokens + 1):
+            chunks.append(
+                ScheduledChunk(seq_id, x, self._tokens(1), False, table(x + 1), GREEDY, 1)
+            )
+        return MicroBatchPlan(microbatch_id, tuple(chunks))
+
+    def _tokens(self, n: int) -> tuple[int, ...]:
+        return tuple(self._rng.randrange(self.spec.vocab_size) for _ in range(n))
+
+    def _hidden(self, num_tokens: int) -> torch.Tensor | None:
+        """The stage's input hidden states ``[num_tokens, hidden]``; ``None`` on the first."""
+        return None if self._hidden_pool is None else self._hidden_pool[:num_tokens]
+
+    def time_once(self, plan: MicroBatchPlan, hidden: torch.Tensor | None) -> float:
+        """Wall seconds of one forward (CUDA: synchronized; CPU work is synchronous)."""
+        is_cuda = self.worker.device.type == "cuda"
+        if is_cuda:
+            torch.cuda.synchronize(self.worker.device)
+        t0 = time.perf_counter()
+        self.worker.execute(plan, hidden)
+        if is_cuda:
+            torch.cuda.synchronize(self.worker.device)
+        return time.perf_counter() - t0
+
+    def measure(
+        self,
+        points: list[GridPoint],
+        repeats: int,
+        warmup: int = 1,
+        on_pass: Callable[[int, int], None] | None = None,
+    ) -> list[ProfileRow]:
+        """One row per point: the median (and min) of ``repeats`` timed runs after
+        ``warmup`` untimed ones. Each pass runs every point once, so a slow spell on a
+        shared machine spreads over all points instead of spoiling one.
+        ``on_pass(done, total)`` is called after every pass."""
+        if repeats < 1 or warmup < 0:
+            raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
+        inputs = [
+            (self.plan(pt, i), self._hidden(pt.prefill_tokens + pt.decode_tokens))
+            for i, pt in enumerate(points)
+        ]
+        times: list[list[float]] = [[] for _ in points]
+        total = warmup + repeats
+        for pass_idx in range(total):
+            for ts, (plan, hidden) in zip(times, inputs):
+                t = self.time_once(plan, hidden)
+                if pass_idx >= warmup:
+                    ts.append(t)
+            if on_pass is not None:
+                on_pass(pass_idx + 1, total)
+        return [self._row(pt, ts) for pt, ts in zip(points, times)]
+
+    def _row(self, pt: GridPoint, times: list[float]) -> ProfileRow:
+        s = self.setup
+        return ProfileRow(
+            stage=s.stage.stage_idx,
+            prefill_tokens=pt.prefill_tokens,
+            decode_tokens=pt.decode_tokens,
+            context_len=pt.context_len,
+            seconds=statistics.median(times),
+            min_seconds=min(times),
+            repeats=len(times),
+            num_layers=s.stage.layer_end - s.stage.layer_start,
+            threads=s.threads,
+            dtype=s.stage.dtype,
+            device=s.stage.device,
+        )
