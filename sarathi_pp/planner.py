@@ -292,9 +292,13 @@ class DecodeCoverage:
     ``num_decode_steps`` = sum over requests of (output_tokens - 1): the first output token
     comes from the last prefill chunk. ``num_prefill_chunks`` = sum of ceil(P_i / rows), with
     ``rows`` the prefill rows of a hybrid micro-batch. Each chunk carries up to
-    ``num_decodes`` decodes, so ``carried`` = chunks x decodes (at most all steps) and the
-    rest, ``missed``, run in decode-only micro-batches. A steady-state estimate: it assumes
-    enough sequences decode at once to fill every chunk's decode share.
+    ``num_decodes`` decodes: the planned share, but no more than the other requests can
+    supply (with ``num_concurrent`` requests at once, the other ones spread over the n
+    micro-batches in flight: ceil((num_concurrent - 1) / n); ``None``: a steady stream with
+    enough of them).
+    So ``carried`` = chunks x decodes (at most all steps) and the rest, ``missed``, run in
+    decode-only micro-batches. An estimate: it assumes the decodes are there whenever a
+    chunk runs (all-at-once workloads come close; sparse arrivals carry fewer).
     """
 
     num_requests: int
@@ -310,7 +314,11 @@ class DecodeCoverage:
 
 
 def decode_coverage(
-    requests: Iterable[tuple[int, int]], prefill_rows: int, num_decodes: int
+    requests: Iterable[tuple[int, int]],
+    prefill_rows: int,
+    num_decodes: int,
+    num_microbatches_in_flight: int = 1,
+    num_concurrent: int | None = None,
 ) -> DecodeCoverage:
     """``requests``: (prompt_tokens, output_tokens) pairs; see ``DecodeCoverage``."""
     if prefill_rows < 1:
@@ -321,5 +329,9 @@ def decode_coverage(
             raise ValueError(f"request {i} has {p} prompt and {d} output tokens; both must be >= 1")
     steps = sum(d - 1 for _, d in reqs)  # the first token comes from the last prefill chunk
     chunks = sum(-(-p // prefill_rows) for p, _ in reqs)  # ceil(P_i / rows)
-    carried = min(steps, chunks * num_decodes)
-    return DecodeCoverage(len(reqs), steps, chunks, num_decodes, carried, steps - carried)
+    # Beside one request's chunk only the others decode, spread over the micro-batches.
+    per_chunk = num_decodes
+    if num_concurrent is not None:
+        per_chunk = min(per_chunk, -(-(num_concurrent - 1) // num_microbatches_in_flight))
+    carried = min(steps, chunks * per_chunk)
+    return DecodeCoverage(len(reqs), steps, chunks, per_chunk, carried, steps - carried)

@@ -125,6 +125,7 @@ class WorkloadInfo:
     prompt_tokens: float | None  # means, when known
     output_tokens: float | None
     requests: list[tuple[int, int]] | None  # (prompt, output) tokens; None: ratio only
+    from_file: bool = False  # a workload file (its requests may all run at once)
 
 
 def workload_info(args: argparse.Namespace, spec: ModelSpec, max_model_len: int) -> WorkloadInfo:
@@ -165,7 +166,7 @@ def _from_workload_file(path: str, spec: ModelSpec, max_model_len: int) -> Workl
     sampled = w.requests(spec.vocab_size, max_model_len)  # ValueError if one won't fit
     reqs = [(len(r.prompt_token_ids), r.output_tokens) for r in sampled]
     desc = f"{path}: {len(reqs)} requests, mean P {p:.1f}, D {d:.1f} tokens"
-    return WorkloadInfo(desc, ratio, p, d, reqs)
+    return WorkloadInfo(desc, ratio, p, d, reqs, from_file=True)
 
 
 @dataclass(frozen=True)
@@ -282,7 +283,14 @@ def make_plan(config: EngineConfig, args: argparse.Namespace) -> Plan:
     )
     coverage = None
     if workload.requests is not None:
-        coverage = decode_coverage(workload.requests, chunk.prefill_rows, chunk.num_decodes)
+        coverage = decode_coverage(
+            workload.requests,
+            chunk.prefill_rows,
+            chunk.num_decodes,
+            config.parallel.microbatches_in_flight,
+            # a workload file: all its requests may run at once; P/D flags: a steady stream
+            len(workload.requests) if workload.from_file else None,
+        )
     ranges = partition_layers(spec, num_stages)
     return Plan(
         config, spec, machine, max_model_len, ranges, bounds, batch, blocks, block_seqs,
@@ -373,6 +381,7 @@ def plan_record(plan: Plan) -> dict[str, Any]:
             "num_requests": cov.num_requests,
             "num_decode_steps": cov.num_decode_steps,
             "num_prefill_chunks": cov.num_prefill_chunks,
+            "decodes_per_chunk": cov.num_decodes,
             "carried": cov.carried,
             "missed": cov.missed,
         },
@@ -438,10 +447,16 @@ def chunk_lines(plan: Plan) -> list[str]:
             f"  {cov.num_requests} request(s) need {cov.num_decode_steps} decode steps (output "
             f"tokens - 1 each); their prompts take {cov.num_prefill_chunks} chunks of <= "
             f"{c.prefill_rows} prefill rows carrying up to {cov.num_prefill_chunks} x "
-            f"{cov.num_decodes} decodes -> {cov.missed} miss a chunk "
+            f"{cov.num_decodes} decodes{_cap_note(cov, c)} -> {cov.missed} miss a chunk "
             f"({100 * cov.missed_fraction:.1f}%)"
         )
     return lines
+
+
+def _cap_note(cov: DecodeCoverage, chunk: ChunkPlan) -> str:
+    if cov.num_decodes == chunk.num_decodes:
+        return ""
+    return f" (not the planned {chunk.num_decodes}: only the other requests decode beside a chunk)"
 
 
 def run_plan(args: argparse.Namespace) -> int:

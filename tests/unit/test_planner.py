@@ -277,18 +277,36 @@ def test_zero_output_tokens():
 @pytest.mark.parametrize(
     "rows, decodes, chunks, carried, missed",
     [
-        # 3 x 63 = 189 decode steps; prompts 128, 512, 1024 in 500-row chunks: 1 + 2 + 3
-        (500, 10, 6, 60, 129),
-        (500, 100, 6, 189, 0),  # more room than steps: none missed
-        (2048, 10, 3, 30, 159),  # bigger chunks: fewer of them, more decodes left over
-        (500, 0, 6, 0, 189),  # B = 1: every decode runs alone
+        # 4 x (128, 512, 1024) prompts, 64 out: 12 x 63 = 756 decode steps; in 500-row
+        # chunks 4 x (1 + 2 + 3) = 24 chunks; at most 11 others decode beside a chunk
+        (500, 10, 24, 240, 516),
+        (500, 100, 24, 264, 492),  # the planned 100 capped at the 11 other requests
+        (2048, 10, 12, 120, 636),  # bigger chunks: fewer of them, more decodes left over
+        (500, 0, 24, 0, 756),  # B = 1: every decode runs alone
+        (100, 11, 4 * (2 + 6 + 11), 756, 0),  # more room than steps: none missed
     ],
 )
 def test_decode_coverage(rows, decodes, chunks, carried, missed):
-    cov = decode_coverage([(128, 64), (512, 64), (1024, 64)], rows, decodes)
-    assert cov.num_decode_steps == 189  # output tokens - 1 each
+    cov = decode_coverage([(128, 64), (512, 64), (1024, 64)] * 4, rows, decodes, 1, 12)
+    assert cov.num_decode_steps == 756  # output tokens - 1 each
     assert (cov.num_prefill_chunks, cov.carried, cov.missed) == (chunks, carried, missed)
-    assert cov.missed_fraction == pytest.approx(missed / 189)
+    assert cov.missed_fraction == pytest.approx(missed / 756)
+
+
+@pytest.mark.parametrize(
+    "decodes, n, per_chunk",
+    [(10, 1, 2), (10, 2, 1), (1, 1, 1), (0, 1, 0)],
+)
+def test_decode_coverage_is_capped_by_the_other_requests(decodes, n, per_chunk):
+    # 3 requests: beside one request's chunk at most the other 2 decode, spread over n.
+    cov = decode_coverage([(128, 64), (512, 64), (1024, 64)], 500, decodes, n, 3)
+    assert cov.num_decodes == per_chunk
+    assert (cov.carried, cov.missed) == (6 * per_chunk, 189 - 6 * per_chunk)
+
+
+def test_decode_coverage_of_a_steady_stream_is_not_capped():
+    cov = decode_coverage([(128, 64)], 100, 10)  # P and D of a request in a long stream
+    assert (cov.num_prefill_chunks, cov.num_decodes, cov.carried, cov.missed) == (2, 10, 20, 43)
 
 
 def test_decode_coverage_rejects_empty_requests():
