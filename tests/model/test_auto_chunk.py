@@ -8,7 +8,6 @@ import bisect
 import json
 import random
 
-import pytest
 from helpers import assert_greedy_match, hf_greedy
 
 from sarathi_pp import LLM, SamplingParams
