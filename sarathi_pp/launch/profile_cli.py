@@ -91,7 +91,7 @@ def add_profile_parser(subparsers: Any) -> None:
         help="time one stage over a grid of micro-batches; chunk overheads and tile steps",
         description="Time one pipeline stage's forward over a grid of (prefill tokens, "
         "decode tokens, context length) on this machine, save the CSV and report the "
-        "chunked-prefill overhead per chunk size, the smallest chunk within 20%%, 10%% and "
+        "chunked-prefill overhead per chunk size, the smallest chunk within 20%, 10% and "
         "--max-overhead, the matmul tile steps and the piggybacked-decode cost. Grid flags "
         "not given take the default grid's values (--quick: the quick grid's).",
     )
