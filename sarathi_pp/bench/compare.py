@@ -7,6 +7,7 @@
             overall: <summary.json "overall"> | null (a peer has no stages),
             stages: [bubble_fraction per stage] | null,
             requests: <summary.json "requests">,
+            chunk_size: <summary.json "chunk_size"> | null (a peer, a whole-prompt policy),
             latency_comparable: bool, note: str,
             capacity: <capacity result> | null}],
     ratios: [{a, b, generated_tokens_per_s, requests_per_s, ttft_p50, tbt_p99, ...}]
@@ -69,6 +70,7 @@ def engine_run_entry(name: str, run_dir: str, summary: dict[str, Any]) -> dict[s
         "overall": summary["overall"],
         "stages": [s["bubble_fraction"] for s in summary["stages"]],
         "requests": summary["requests"],
+        "chunk_size": summary.get("chunk_size"),
         "latency_comparable": True,
         "note": "",
         "capacity": None,
@@ -86,6 +88,7 @@ def peer_run_entry(
         "overall": None,
         "stages": None,
         "requests": requests,
+        "chunk_size": None,
         "latency_comparable": latency_comparable,
         "note": note,
         "capacity": None,
@@ -123,7 +126,7 @@ def format_table(comparison: dict[str, Any]) -> str:
     """The runs side by side (rows: figures; columns: runs), then the ratio lines."""
     runs = comparison["runs"]
     names = [r["name"] for r in runs]
-    width = max(12, *(len(n) + 2 for n in names))
+    width = max(14, *(len(n) + 2 for n in names))  # "118984.31 ms" and a space
     row = lambda label, cells: f"{label:<22}" + "".join(f"{c:>{width}}" for c in cells)  # noqa: E731
     lines = [row("", names)]
     if any(r["capacity"] for r in runs):
@@ -135,6 +138,8 @@ def format_table(comparison: dict[str, Any]) -> str:
             fmt(_get(r["requests"], path), unit) if r["latency_comparable"] else "n/c" for r in runs
         ]
         lines.append(row(label, cells))
+    if any(r.get("chunk_size") for r in runs):
+        lines.append(row("chunk_size", [_chunk_cell(r.get("chunk_size")) for r in runs]))
     lines.append(row("bubble fraction", [_bubble(r["overall"]) for r in runs]))
     num_stages = max((len(r["stages"]) for r in runs if r["stages"]), default=0)
     for i in range(num_stages):
@@ -154,6 +159,15 @@ def format_table(comparison: dict[str, Any]) -> str:
 
 def _bubble(overall: dict[str, Any] | None) -> str:
     return "-" if overall is None else f"{overall['bubble_fraction']:.3f}"
+
+
+def _chunk_cell(chunk: dict[str, Any] | None) -> str:
+    """The budget in force: one value, or ``auto first->last`` when it moved."""
+    if not chunk:
+        return "-"
+    if chunk["initial"] == chunk["final"] and not chunk["num_changes"]:
+        return f"{'auto ' if chunk['auto'] else ''}{chunk['final']}"
+    return f"{'auto ' if chunk['auto'] else ''}{chunk['initial']}->{chunk['final']}"
 
 
 def _capacity_cell(run: dict[str, Any]) -> str:

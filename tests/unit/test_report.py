@@ -281,3 +281,34 @@ def test_main_exits_2_naming_the_file(tmp_path: Path, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("sarathi-pp: error: ") and "nope" in err and "Traceback" not in err
+
+
+def test_metrics_from_hand_made_token_timelines(tmp_path: Path):
+    """RequestOutput metrics -> requests.csv -> summary: every formula on known times."""
+    from sarathi_pp.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from sarathi_pp.run_dir import write_requests_csv
+
+    def out(rid: str, arrival: float, scheduled: float, times: list[float]) -> RequestOutput:
+        m = RequestMetrics(arrival, scheduled, times[0], times[-1], list(times))
+        done = CompletionOutput(0, "", list(range(len(times))), "length")
+        return RequestOutput(rid, None, [1, 2], [done], True, m)
+
+    outputs = [
+        out("a", 100.0, 100.5, [101.0, 101.5, 103.0]),  # ttft 1, gaps 0.5 1.5, e2e 3
+        out("b", 102.0, 102.0, [102.25, 102.5]),  # ttft 0.25, gap 0.25, e2e 0.5
+        out("c", 104.0, 106.0, [107.0]),  # one token: no gap, no TPOT
+    ]
+    write_requests_csv(tmp_path, outputs)
+    req = request_summary(load_requests(tmp_path / "requests.csv"))
+    assert req["ttft_s"]["mean"] == pytest.approx((1.0 + 0.25 + 3.0) / 3)
+    assert req["ttft_s"]["max"] == pytest.approx(3.0)
+    assert sorted([req["tbt_s"]["p50"], req["tbt_s"]["max"]]) == pytest.approx([0.5, 1.5])
+    assert req["tbt_s"]["mean"] == pytest.approx((0.5 + 1.5 + 0.25) / 3)
+    # TPOT: (e2e - ttft) / (n - 1): a (3 - 1) / 2 = 1.0, b (0.5 - 0.25) / 1 = 0.25; c left out
+    assert req["tpot_s"]["mean"] == pytest.approx(0.625) and req["tpot_s"]["max"] == 1.0
+    assert req["scheduling_delay_s"]["max"] == pytest.approx(2.0)  # c: 106 - 104
+    assert req["e2e_s"]["max"] == pytest.approx(3.0)
+    # throughput: 6 tokens over first arrival (100) to last finish (107)
+    assert req["duration_s"] == pytest.approx(7.0)
+    assert req["generated_tokens_per_s"] == pytest.approx(6 / 7.0)
+    assert req["requests_per_s"] == pytest.approx(3 / 7.0)
