@@ -1,4 +1,4 @@
-# sarathi-pp developer tasks: make venv | demo | test | lint
+# sarathi-pp developer tasks: make venv | demo | bench | test | lint
 #
 # TORCH is the one setting: the torch requirement installed *before* the project, so the
 # project's own "torch>=2.4" is already met and pip never swaps in another build. The
@@ -15,7 +15,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: venv demo test lint
+.PHONY: venv demo bench test lint
 
 venv: $(STAMP)
 
@@ -34,6 +34,12 @@ demo: venv
 	$(VENV)/bin/sarathi-pp generate --config configs/tiny-llama-pp2.yaml \
 		--prompts-file configs/demo-prompts.txt --max-tokens 32 --run-dir runs/demo --overwrite
 	$(VENV)/bin/sarathi-pp report runs/demo
+
+# The serving benchmark: the mixed workload through sarathi and transformers' continuous
+# batching (the peer), side by side (~5 min on 2 cores).
+bench: venv
+	$(VENV)/bin/sarathi-pp bench --config configs/tiny-llama.yaml \
+		--workload configs/workloads/mixed.yaml --peer hf --run-dir runs/bench --overwrite
 
 test: venv
 	$(PY) -m pytest -q
