@@ -5,7 +5,8 @@ The report gives the overhead of a chunked prefill against the unchunked one per
 size and the smallest chunk within 20%, 10% and ``--max-overhead`` (SARATHI's "chunk 256
 costs < 20%, 512 < 10%"), the tile steps (where a few more rows cost a lot more), and the
 cost of decodes piggybacked on a chunk. ``sarathi-pp plan --profile`` reads the CSV back.
-The grid and the analysis are described in ``sarathi_pp/profile_analysis.py``.
+The grid's rows and the CSV are described in ``sarathi_pp/profile_csv.py``, the analysis
+in ``sarathi_pp/profile_analysis.py``.
 
 Registered by ``sarathi_pp.launch.cli.build_parser`` through ``add_profile_parser``. Bad
 flags, a bad config, or an output that exists (without ``--overwrite``) are usage errors
