@@ -84,13 +84,19 @@ class CapacityResult:
     capacity: float | None
     """The highest probed rate that met the SLO; ``None`` when no probe met it."""
     bound: str
-    """``exact`` (bracketed within ``rel_tol``), ``lower`` (the highest rate probed still
-    met the SLO, or the search stopped first: the capacity is at least ``capacity``) or
+    """``exact`` (bracketed within ``rel_tol``), ``lower`` (the search stopped first: the
+    capacity is at least ``capacity``, and below ``failed`` when a higher rate failed) or
     ``not_met`` (no probe met it: the capacity is below the lowest rate probed)."""
     stopped: str
     """``converged``, ``max_probes`` or ``time_limit``."""
     probes: tuple[Probe, ...]
     slo: Slo
+
+    @property
+    def failed(self) -> float | None:
+        """The lowest probed rate above the capacity that failed the SLO, if any."""
+        above = [p.rate for p in self.probes if not p.meets_slo and p.rate > (self.capacity or 0)]
+        return min(above) if above else None
 
     def describe(self) -> str:
         n = len(self.probes)
@@ -100,10 +106,20 @@ class CapacityResult:
                 f"SLO not met: no probe met it ({n} probes; the lowest rate, {low:.3g} req/s, "
                 f"gave {self._probe_at(low).reason}); stopped: {self.stopped}"
             )
-        fail = [p.rate for p in self.probes if not p.meets_slo and p.rate > self.capacity]
-        above = f"; {min(fail):.3g} req/s failed" if fail else ""
-        kind = {"exact": "capacity", "lower": "capacity >="}[self.bound]
-        return f"{kind} {self.capacity:.3g} req/s ({n} probes{above}; stopped: {self.stopped})"
+        if self.bound == "exact":
+            return (
+                f"capacity {self.capacity:.3g} req/s ({n} probes; {self.failed:.3g} req/s "
+                f"failed; stopped: {self.stopped})"
+            )
+        if self.failed is not None:
+            return (
+                f"capacity between {self.capacity:.3g} and {self.failed:.3g} req/s ({n} probes: "
+                f"stopped ({self.stopped}) before the bracket narrowed)"
+            )
+        return (
+            f"capacity >= {self.capacity:.3g} req/s (every one of {n} probes met the SLO; "
+            f"stopped: {self.stopped})"
+        )
 
     def _probe_at(self, rate: float) -> Probe:
         return next(p for p in self.probes if p.rate == rate)
@@ -111,6 +127,7 @@ class CapacityResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "capacity_rps": self.capacity,
+            "failed_rps": self.failed,
             "bound": self.bound,
             "stopped": self.stopped,
             "slo": asdict(self.slo),

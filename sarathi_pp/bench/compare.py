@@ -10,7 +10,7 @@
             chunk_size: <summary.json "chunk_size"> | null (a peer, a whole-prompt policy),
             latency_comparable: bool, note: str,
             capacity: <capacity result> | null}],
-    ratios: [{a, b, generated_tokens_per_s, requests_per_s, ttft_p50, tbt_p99, ...}]
+    ratios: [{a, b, capacity_rps, generated_tokens_per_s, requests_per_s, ttft_p50, tbt_p99, ...}]
 
 A ratio is ``a / b`` of the figure: our run over the peer for every engine run, and the
 first scheduler over each other one. A latency ratio against a peer whose arrivals were
@@ -99,6 +99,8 @@ def ratio_entry(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """``a / b`` for each figure in ``RATIO_FIGURES`` (``None`` when not comparable)."""
     comparable = a["latency_comparable"] and b["latency_comparable"]
     out: dict[str, Any] = {"a": a["name"], "b": b["name"]}
+    caps = [(r.get("capacity") or {}).get("capacity_rps") for r in (a, b)]
+    out["capacity_rps"] = caps[0] / caps[1] if None not in caps else None
     for name, path, is_latency in RATIO_FIGURES:
         x, y = _get(a["requests"], path), _get(b["requests"], path)
         ok = x is not None and y not in (None, 0) and (comparable or not is_latency)
@@ -162,22 +164,28 @@ def _bubble(overall: dict[str, Any] | None) -> str:
 
 
 def _chunk_cell(chunk: dict[str, Any] | None) -> str:
-    """The budget in force: one value, or ``auto first->last`` when it moved."""
+    """The budget in force: one value, or its range when it moved (``auto 512-1152``)."""
     if not chunk:
         return "-"
-    if chunk["initial"] == chunk["final"] and not chunk["num_changes"]:
-        return f"{'auto ' if chunk['auto'] else ''}{chunk['final']}"
-    return f"{'auto ' if chunk['auto'] else ''}{chunk['initial']}->{chunk['final']}"
+    auto = "auto " if chunk["auto"] else ""
+    if chunk["min"] == chunk["max"]:
+        return f"{auto}{chunk['final']}"
+    return f"{auto}{chunk['min']}-{chunk['max']}"
 
 
 def _capacity_cell(run: dict[str, Any]) -> str:
+    """``X`` (bracketed), ``X-Y`` (between a passing and a failing rate), ``>=X`` (every
+    probe passed) or ``not met``."""
     cap = run["capacity"]
     if not cap:
         return "-"
     if cap["capacity_rps"] is None:
         return "not met"
-    prefix = ">=" if cap["bound"] == "lower" else ""
-    return f"{prefix}{cap['capacity_rps']:.3g}"
+    if cap["bound"] == "exact":
+        return f"{cap['capacity_rps']:.3g}"
+    if cap.get("failed_rps") is not None:
+        return f"{cap['capacity_rps']:.3g}-{cap['failed_rps']:.3g}"
+    return f">={cap['capacity_rps']:.3g}"
 
 
 def _ratio_line(r: dict[str, Any]) -> str:
@@ -185,8 +193,9 @@ def _ratio_line(r: dict[str, Any]) -> str:
         v = r[name]
         return "n/c" if v is None else f"{v:.2f}x"
 
+    capacity = "" if r.get("capacity_rps") is None else f"capacity {x('capacity_rps')}; at it: "
     return (
-        f"{r['a']} / {r['b']}: throughput {x('generated_tokens_per_s')}, "
+        f"{r['a']} / {r['b']}: {capacity}throughput {x('generated_tokens_per_s')}, "
         f"TTFT p50 {x('ttft_p50')}, TBT p50 {x('tbt_p50')}, TBT p99 {x('tbt_p99')}, "
         f"TPOT p50 {x('tpot_p50')}"
     )

@@ -43,14 +43,24 @@ def summary(policy: str, tps: float, tbt: float, bubbles: list[float], chunk=Non
     }
 
 
-AUTO = {"auto": True, "initial": 256, "final": 512, "min": 256, "max": 512, "num_changes": 2, "changes": []}
+AUTO = {
+    "auto": True,
+    "initial": 256,
+    "final": 512,
+    "min": 256,
+    "max": 512,
+    "num_changes": 2,
+    "changes": [],
+}
 
 
 def runs(peer_comparable: bool = True) -> list[dict]:
     return [
         engine_run_entry("sarathi", "sarathi", summary("sarathi", 30.0, 0.1, [0.1, 0.3], AUTO)),
         engine_run_entry("vllm", "vllm", summary("vllm", 24.0, 0.4, [0.2, 0.4])),
-        peer_run_entry("peer-hf", "peer-hf", requests(10.0, 0.2), peer_comparable, "transformers x"),
+        peer_run_entry(
+            "peer-hf", "peer-hf", requests(10.0, 0.2), peer_comparable, "transformers x"
+        ),
     ]
 
 
@@ -77,10 +87,32 @@ def test_table_shows_runs_side_by_side():
     row = {line[:22].strip(): line[22:].split() for line in lines[1:] if line[:1] not in (" ", "")}
     assert row["generated tokens/s"] == ["30.000", "24.000", "10.000"]
     assert row["tbt p99"] == ["400.00", "ms", "1600.00", "ms", "n/c"]
-    assert row["chunk_size"] == ["auto", "256->512", "-", "-"]
+    assert row["chunk_size"] == ["auto", "256-512", "-", "-"]
     assert row["bubble fraction"] == ["0.200", "0.300", "-"]
     stage1 = next(line for line in lines if line.strip().startswith("stage 1"))
     assert stage1.split()[2:] == ["0.300", "0.400", "-"]
     assert "n/c: not comparable" in text
     assert "sarathi / vllm: throughput 1.25x" in text
     assert "sarathi / peer-hf: throughput 3.00x, TTFT p50 n/c" in text
+
+
+@pytest.mark.parametrize(
+    "cap, cell",
+    [
+        ({"capacity_rps": 0.849, "failed_rps": 1.2, "bound": "lower"}, "0.849-1.2"),
+        ({"capacity_rps": 0.5, "failed_rps": None, "bound": "lower"}, ">=0.5"),
+        ({"capacity_rps": 0.7, "failed_rps": 0.75, "bound": "exact"}, "0.7"),
+        ({"capacity_rps": None, "failed_rps": 0.1, "bound": "not_met"}, "not met"),
+    ],
+)
+def test_capacity_cells_and_ratio(cap, cell):
+    a, b = runs()[:2]
+    a["capacity"] = cap
+    b["capacity"] = {"capacity_rps": 0.25, "failed_rps": None, "bound": "lower"}
+    c = build_comparison([a, b], {"name": "w"}, {})
+    line = format_table(c).splitlines()[1]
+    assert line.startswith("capacity (req/s)") and line[22:36].strip() == cell  # 14-wide cells
+    ratio = c["ratios"][0]["capacity_rps"]
+    assert ratio == (
+        None if cap["capacity_rps"] is None else pytest.approx(cap["capacity_rps"] / 0.25)
+    )

@@ -47,7 +47,15 @@ def test_probe_count_is_bounded() -> None:
     assert len(calls) == 3
     assert result.stopped == "max_probes"
     assert result.bound == "lower" and result.capacity == 4.0  # 1, 2, 4 all met
-    assert result.describe().startswith("capacity >= 4")
+    assert result.describe().startswith("capacity >= 4") and result.failed is None
+
+
+def test_a_bracket_not_yet_narrowed_says_between():
+    result = search_capacity(knee_engine(5.0, []), Slo(0.5), 1.0, max_probes=4, rel_tol=0.01)
+    assert [p.rate for p in result.probes] == [1.0, 2.0, 4.0, 8.0]
+    assert (result.bound, result.capacity, result.failed) == ("lower", 4.0, 8.0)
+    assert result.describe().startswith("capacity between 4 and 8 req/s")
+    assert result.to_dict()["failed_rps"] == 8.0
 
 
 def test_slo_never_met_is_reported_not_looped() -> None:
