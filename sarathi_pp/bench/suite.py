@@ -18,8 +18,9 @@ same number of threads our stages used together.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,6 @@ class BenchOptions:
     rel_tol: float = 0.1
     time_limit_s: float | None = None
     progress: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from sarathi_pp.scheduler.registry import scheduler_names
@@ -71,6 +71,15 @@ class BenchOptions:
             raise ValueError(f"unknown peer {self.peer!r}; valid: {', '.join(PEERS)}")
         if self.capacity and self.slo is None:
             raise ValueError("the capacity search needs an SLO: give --slo-tbt-p99 SECONDS")
+        if (
+            isinstance(self.max_probes, bool)
+            or not isinstance(self.max_probes, int)
+            or self.max_probes < 1
+        ):
+            raise ValueError(f"--max-probes must be an integer >= 1, got {self.max_probes!r}")
+        for flag, v in (("--start-rate", self.start_rate), ("--time-limit", self.time_limit_s)):
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{flag} must be a number > 0, got {v!r}")
         if self.capacity and self.peer is not None:
             raise ValueError(
                 "the capacity search runs our schedulers only: drop --peer, or run the peer "

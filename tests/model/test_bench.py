@@ -159,6 +159,10 @@ def test_bench_capacity_search(llama_dir, tmp_path, capsys):
         (["--capacity", "--slo-tbt-p99", "-1"], "tbt_p99_s must be a number > 0"),
         (["--rate", "0"], "rate"),
         (["--peer", "hf", "--capacity", "--slo-tbt-p99", "1"], "drop --peer"),
+        (["--capacity", "--slo-tbt-p99", "1", "--max-probes", "0"], "--max-probes must be"),
+        (["--capacity", "--slo-tbt-p99", "1", "--start-rate", "-2"], "--start-rate must be"),
+        (["--num-requests", "0"], "num_requests"),
+        (["--workload", "missing.yaml"], "missing.yaml"),
     ],
 )
 def test_bench_bad_input_is_a_usage_error(llama_dir, tmp_path, capsys, extra, message):
