@@ -49,7 +49,7 @@ def draw_cdfs(runs: dict[str, list[RequestRow]], out_dir: Path, title: str = "")
         ax.axhline(0.99, color="grey", lw=0.6, ls=":")
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
-        ax.set_title(f"{key.upper()} CDF" + (f": {title}" if title else ""), fontsize=10)
+        ax.set_title(f"{key.upper()} CDF" + (f"\n{title}" if title else ""), fontsize=9)
         fig.tight_layout()
         path = out_dir / filename
         fig.savefig(path, dpi=110)
