@@ -122,8 +122,10 @@ def run_bench(args: argparse.Namespace) -> int:
         bench.start()
     comparison = bench.run()
     print(bench.table(comparison))
-    print(f"wrote {bench.dir}/ (comparison.json, tbt_cdf.png, ttft_cdf.png, one run dir per run)",
-          file=sys.stderr)
+    print(
+        f"wrote {bench.dir}/ (comparison.json, tbt_cdf.png, ttft_cdf.png, one run dir per run)",
+        file=sys.stderr,
+    )
     return 0
 
 
