@@ -53,7 +53,11 @@ class AttentionMetadata:
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     # k_cache: [num_slots, kv_heads, head_dim]; k: [num_tokens, kv_heads, head_dim]
     k_cache.index_copy_(0, slots, k)
@@ -70,6 +74,31 @@ class TorchAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        # Reused buffers for the gathered K and V (see Note [gather workspace]).
+        self._workspace: dict[str, torch.Tensor] = {}
+
+    def _gather(
+        self, name: str, cache: torch.Tensor, blocks: torch.Tensor, block_size: int
+    ) -> torch.Tensor:
+        """``gather_blocks`` into this backend's ``name`` buffer ("k" or "v"); the result
+        is valid until the next ``_gather`` of the same name.
+
+        Note [gather workspace]: a fresh tensor per gather costs more than the copy itself
+        on CPU: tens of MB per layer per step come from mmap, and every page faults and is
+        zeroed (32 decodes x 1 k context: 37 ms fresh vs 7 ms into a reused buffer). The
+        layers of a stage run one after another and each consumes its K/V before the next
+        gathers, so one "k" and one "v" buffer per stage suffice. They grow to the largest
+        gather seen and stay (bounded by max_num_seqs x max_model_len tokens of one layer).
+        """
+        n = blocks.numel()
+        shape = (n, block_size, *cache.shape[1:])
+        ws = self._workspace.get(name)
+        need = n * block_size * cache.shape[1] * cache.shape[2]
+        if ws is None or ws.numel() < need or ws.dtype != cache.dtype or ws.device != cache.device:
+            ws = torch.empty(need, dtype=cache.dtype, device=cache.device)
+            self._workspace[name] = ws
+        out = ws[:need].view(shape)
+        return gather_blocks(cache, blocks, block_size, out=out)
 
     def forward(
         self,
@@ -83,7 +112,9 @@ class TorchAttention:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         for p in meta.prefills:
-            out[p.row_start : p.row_end] = self._prefill(q, k, v, k_cache, v_cache, p, meta.block_size)
+            out[p.row_start : p.row_end] = self._prefill(
+                q, k, v, k_cache, v_cache, p, meta.block_size
+            )
         if meta.decode_blocks is not None:
             out[meta.num_prefill_tokens :] = self._decode(
                 q[meta.num_prefill_tokens :], k_cache, v_cache, meta
@@ -97,12 +128,18 @@ class TorchAttention:
         if p.start == 0:  # first chunk: its own K/V is all the context
             kc = k[p.row_start : p.row_end].transpose(0, 1)[None]
             vc = v[p.row_start : p.row_end].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=True
+            )
         else:
             n = p.row_end - p.row_start
             end = p.start + n
-            kc = gather_blocks(k_cache, p.context_blocks, block_size)[:end].transpose(0, 1)[None]
-            vc = gather_blocks(v_cache, p.context_blocks, block_size)[:end].transpose(0, 1)[None]
+            kc = self._gather("k", k_cache, p.context_blocks, block_size)[:end].transpose(0, 1)[
+                None
+            ]
+            vc = self._gather("v", v_cache, p.context_blocks, block_size)[:end].transpose(0, 1)[
+                None
+            ]
             q_pos = torch.arange(p.start, end, device=q.device)
             k_pos = torch.arange(end, device=q.device)
             mask = k_pos[None, :] <= q_pos[:, None]  # [len, context] causal with offset
@@ -115,20 +152,26 @@ class TorchAttention:
         qd = q.unsqueeze(2)  # [num_decodes, heads, 1, head_dim]
         bt = meta.decode_blocks
         # [num_decodes, kv_heads, max_blocks * block_size, head_dim]
-        kd = gather_blocks(k_cache, bt, meta.block_size).transpose(1, 2)
-        vd = gather_blocks(v_cache, bt, meta.block_size).transpose(1, 2)
+        kd = self._gather("k", k_cache, bt, meta.block_size).transpose(1, 2)
+        vd = self._gather("v", v_cache, bt, meta.block_size).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
         )
         return o.squeeze(2)
 
 
-def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+def gather_blocks(
+    cache: torch.Tensor, blocks: torch.Tensor, block_size: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Copy whole KV blocks out of the paged cache: ``blocks`` [..., num_blocks] ->
     [..., num_blocks * block_size, kv_heads, head_dim]. One contiguous copy per block, not
-    per token (a per-slot gather dominated decode steps on CPU)."""
+    per token (a per-slot gather dominated decode steps on CPU). ``out``: a contiguous
+    [blocks.numel(), block_size, kv_heads, head_dim] buffer to copy into."""
     paged = cache.view(-1, block_size, *cache.shape[1:])  # [blocks, block_size, kvh, d]
-    out = paged.index_select(0, blocks.reshape(-1))
+    if out is None:
+        out = paged.index_select(0, blocks.reshape(-1))
+    else:
+        torch.index_select(paged, 0, blocks.reshape(-1), out=out)
     return out.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, *cache.shape[1:])
 
 
@@ -158,18 +201,26 @@ class FlashAttention(TorchAttention):
             lens_k = meta.context_lens[:num_prefills]
             cu_k = F.pad(lens_k.cumsum(0, dtype=torch.int32), (1, 0))
             out[:npt] = self._varlen(
-                q[:npt], kc, vc,
-                cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=cu_k,
-                max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_context_len,
-                softmax_scale=self.scale, causal=True,
+                q[:npt],
+                kc,
+                vc,
+                cu_seqlens_q=meta.cu_seqlens_q,
+                cu_seqlens_k=cu_k,
+                max_seqlen_q=meta.max_query_len,
+                max_seqlen_k=meta.max_context_len,
+                softmax_scale=self.scale,
+                causal=True,
                 block_table=meta.block_tables[:num_prefills],
             )
         if q.shape[0] > npt:
             out[npt:] = self._with_kvcache(
-                q[npt:].unsqueeze(1), kc, vc,
+                q[npt:].unsqueeze(1),
+                kc,
+                vc,
                 cache_seqlens=meta.context_lens[num_prefills:],
                 block_table=meta.block_tables[num_prefills:],
-                softmax_scale=self.scale, causal=True,
+                softmax_scale=self.scale,
+                causal=True,
             ).squeeze(1)
         return out.view(q.shape[0], -1)
 
