@@ -95,9 +95,9 @@ class LLMEngine:
         self._text: dict[int, _TextState] = {}
         self.eos_token_ids = self._eos_ids()
         # The event log behind the bubble report: recorded only for a run dir.
-        self.events = None
+        self.events: EventLog | None = None
         if self.run_dir is not None:
-            self.events = EventLog(num_stages, self.now(), self.resolved_config.to_dict())
+            self._open_records()
 
     def _init_cache_and_scheduler(self, config: EngineConfig) -> None:
         self.stage_memory = self.executor.load_model()
@@ -115,8 +115,6 @@ class LLMEngine:
         self.resolved_config = config.replace(
             max_model_len=self.max_model_len, block_size=self.block_size
         )
-        if self.run_dir is not None:
-            write_config(self.run_dir, self.resolved_config)
 
     def set_scheduler(self, **overrides: Any) -> None:
         """Switch scheduler settings (``policy``, ``chunk_size``, ...) between workloads,
@@ -188,7 +186,11 @@ class LLMEngine:
                 f"{where} has {len(token_ids)} tokens; the whole KV cache holds {capacity}"
             )
         cap = self.config.scheduler.max_num_batched_tokens
-        if cap is not None and self.config.scheduler.policy in ("vllm", "orca") and len(token_ids) > cap:
+        if (
+            cap is not None
+            and self.config.scheduler.policy in ("vllm", "orca")
+            and len(token_ids) > cap
+        ):
             raise ValueError(
                 f"{where} has {len(token_ids)} tokens, more than max_num_batched_tokens={cap} "
                 f"(scheduler {self.config.scheduler.policy!r} does not chunk prompts)"
@@ -263,7 +265,13 @@ class LLMEngine:
                     self.events.idle(now, self.scheduler.idle_reason)
                 return
             if self.events is not None:
-                self.events.issue(plan.microbatch_id, now, plan.kind, plan.num_prefill_tokens, plan.num_decode_tokens)
+                self.events.issue(
+                    plan.microbatch_id,
+                    now,
+                    plan.kind,
+                    plan.num_prefill_tokens,
+                    plan.num_decode_tokens,
+                )
             self.executor.submit(plan)
             self._inflight.append(plan)
         if self.events is not None:  # the in-flight limit holds the next micro-batch back
@@ -364,14 +372,22 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("start_run needs an idle engine (requests are unfinished)")
         self.run_dir = prepare_run_dir(run_dir, overwrite)
+        self._open_records()
+
+    def _open_records(self) -> None:
+        """``config.yaml`` (the config in force, resolved) and a fresh event log for
+        ``self.run_dir``."""
+        assert self.run_dir is not None
         config = self.config.replace(max_model_len=self.max_model_len, block_size=self.block_size)
         write_config(self.run_dir, config)
-        self.events = EventLog(self.config.parallel.pipeline_parallel_size, self.now(), config.to_dict())
+        num_stages = config.parallel.pipeline_parallel_size
+        self.events = EventLog(num_stages, self.now(), config.to_dict())
 
-    def write_run_records(self) -> None:
-        """Write ``events.jsonl`` and rebuild the report files in the run dir (if any)."""
+    def write_run_records(self) -> dict[str, Any] | None:
+        """Write ``events.jsonl`` and rebuild the report files in the run dir (if any);
+        the run's summary (``summary.json``), or ``None`` without a run dir."""
         if self.run_dir is None or self.events is None:
-            return
+            return None
         now = self.now()
         self.events.end_idle(now)
         self.events.write(self.run_dir / "events.jsonl")
@@ -380,7 +396,7 @@ class LLMEngine:
         self.events.idle(now, IDLE_NO_WORK)
         from sarathi_pp.report import write_report
 
-        write_report(self.run_dir)
+        return write_report(self.run_dir)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

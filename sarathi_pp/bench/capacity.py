@@ -33,12 +33,9 @@ class Slo:
     """P50 of first scheduled - arrival; ``None`` = not checked."""
 
     def __post_init__(self) -> None:
-        for name in ("tbt_p99_s", "scheduling_delay_p50_s"):
-            v = getattr(self, name)
-            if v is None and name != "tbt_p99_s":
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"SLO {name} must be a number > 0, got {v!r}")
+        _check_seconds("tbt_p99_s", self.tbt_p99_s)
+        if self.scheduling_delay_p50_s is not None:
+            _check_seconds("scheduling_delay_p50_s", self.scheduling_delay_p50_s)
 
     def check(self, requests: dict[str, Any]) -> tuple[bool, str]:
         """Whether a probe's requests summary meets the SLO, and why (the figures)."""
@@ -62,6 +59,11 @@ class Slo:
             )
             ok = ok and delay_ok
         return ok, ", ".join(parts)
+
+
+def _check_seconds(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise ValueError(f"SLO {name} must be a number > 0, got {v!r}")
 
 
 def _ms(v: float | None) -> str:

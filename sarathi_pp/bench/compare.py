@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sarathi_pp.report.text import fmt
+from sarathi_pp.report.text import fmt, get_path
 
 COMPARISON_VERSION = 1
 
@@ -52,12 +52,6 @@ RATIO_FIGURES = (
     ("tpot_p50", ("tpot_s", "p50"), True),
     ("e2e_p50", ("e2e_s", "p50"), True),
 )
-
-
-def _get(d: Any, path: tuple[str, ...]) -> Any:
-    for key in path:
-        d = d.get(key) if isinstance(d, dict) else None
-    return d
 
 
 def engine_run_entry(name: str, run_dir: str, summary: dict[str, Any]) -> dict[str, Any]:
@@ -102,7 +96,7 @@ def ratio_entry(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     caps = [(r.get("capacity") or {}).get("capacity_rps") for r in (a, b)]
     out["capacity_rps"] = caps[0] / caps[1] if None not in caps else None
     for name, path, is_latency in RATIO_FIGURES:
-        x, y = _get(a["requests"], path), _get(b["requests"], path)
+        x, y = get_path(a["requests"], path), get_path(b["requests"], path)
         ok = x is not None and y not in (None, 0) and (comparable or not is_latency)
         out[name] = x / y if ok else None
     return out
@@ -134,10 +128,11 @@ def format_table(comparison: dict[str, Any]) -> str:
     if any(r["capacity"] for r in runs):
         lines.append(row("capacity (req/s)", [_capacity_cell(r) for r in runs]))
     for label, path, unit in THROUGHPUT_ROWS:
-        lines.append(row(label, [fmt(_get(r["requests"], path), unit) for r in runs]))
+        lines.append(row(label, [fmt(get_path(r["requests"], path), unit) for r in runs]))
     for label, path, unit in LATENCY_ROWS:
         cells = [
-            fmt(_get(r["requests"], path), unit) if r["latency_comparable"] else "n/c" for r in runs
+            fmt(get_path(r["requests"], path), unit) if r["latency_comparable"] else "n/c"
+            for r in runs
         ]
         lines.append(row(label, cells))
     if any(r.get("chunk_size") for r in runs):

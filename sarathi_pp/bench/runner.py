@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from sarathi_pp.bench.workload import BenchRequest
 from sarathi_pp.engine import LLMEngine
@@ -73,15 +74,14 @@ def serve(
 def serve_run(
     engine: LLMEngine,
     requests: list[BenchRequest],
-    run_dir: Path | None,
+    run_dir: Path,
     progress: Callable[[int], None] | None = None,
-) -> list[RequestOutput]:
+) -> dict[str, Any]:
     """``serve`` with the run's records (config, events, requests.csv, report) in
-    ``run_dir`` (an empty or new folder), when given."""
-    if run_dir is not None:
-        engine.start_run(run_dir, overwrite=True)
+    ``run_dir`` (an empty or new folder); the run's summary (``summary.json``)."""
+    engine.start_run(run_dir, overwrite=True)
     outputs = serve(engine, requests, progress)
-    if run_dir is not None:
-        write_requests_csv(run_dir, outputs)
-        engine.write_run_records()
-    return outputs
+    write_requests_csv(run_dir, outputs)
+    summary = engine.write_run_records()
+    assert summary is not None  # start_run opened the records
+    return summary

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,14 +90,9 @@ class BenchOptions:
 
 def peer_threads(config: EngineConfig) -> int:
     """The threads our stages use together: the peer gets as many (like for like)."""
-    from sarathi_pp.stages.pipeline_stage import threads_per_stage
+    from sarathi_pp.stages.profiler import stage_threads
 
-    num_stages = config.parallel.pipeline_parallel_size
-    if num_stages == 1:
-        import torch
-
-        return config.parallel.num_threads_per_stage or torch.get_num_threads()
-    return num_stages * threads_per_stage(num_stages, config.parallel.num_threads_per_stage)
+    return config.parallel.pipeline_parallel_size * stage_threads(config)[0]
 
 
 class Bench:
@@ -167,29 +163,38 @@ class Bench:
         run_dir = self.dir / policy
         if self.options.capacity:
             return self._capacity(engine, policy, run_dir)
-        self._serve(engine, requests, run_dir, policy)
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = self._serve(engine, requests, run_dir, policy)
         return engine_run_entry(policy, policy, summary)
 
-    def _serve(self, engine: Any, requests: list[BenchRequest], run_dir: Path, desc: str) -> None:
-        bar = self.bar(desc, len(requests)) if self.bar and self.options.progress else None
-        progress = None if bar is None else (lambda n: bar.update(n - bar.n))
+    def _serve(
+        self, engine: Any, requests: list[BenchRequest], run_dir: Path, desc: str
+    ) -> dict[str, Any]:
+        with self._progress(desc, len(requests)) as progress:
+            return serve_run(engine, requests, run_dir, progress)
+
+    @contextmanager
+    def _progress(self, desc: str, total: int) -> Iterator[Callable[[int], None] | None]:
+        """A ``progress(num_finished)`` callback drawing a bar (``None`` without one)."""
+        if self.bar is None or not self.options.progress:
+            yield None
+            return
+        bar = self.bar(desc, total)
         try:
-            serve_run(engine, requests, run_dir, progress)
+            yield lambda n: bar.update(n - bar.n)
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
 
     def _capacity(self, engine: Any, policy: str, run_dir: Path) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe_dirs: dict[float, Path] = {}
+        summaries: dict[float, dict[str, Any]] = {}
 
         def probe(rate: float) -> dict[str, Any]:
             d = run_dir / "probes" / f"rate-{rate:.4g}"
             probe_dirs[rate] = d
             requests = self._requests_at(engine, rate)
-            self._serve(engine, requests, d, f"{policy} @ {rate:.3g} req/s")
-            return json.loads((d / "summary.json").read_text())["requests"]
+            summaries[rate] = self._serve(engine, requests, d, f"{policy} @ {rate:.3g} req/s")
+            return summaries[rate]["requests"]
 
         o = self.options
         result = search_capacity(
@@ -204,8 +209,7 @@ class Bench:
         # The table shows the run at the capacity (or the lowest rate when not met).
         shown = result.capacity if result.capacity is not None else min(probe_dirs)
         d = probe_dirs[shown]
-        summary = json.loads((d / "summary.json").read_text())
-        entry = engine_run_entry(policy, str(d.relative_to(self.dir)), summary)
+        entry = engine_run_entry(policy, str(d.relative_to(self.dir)), summaries[shown])
         entry["capacity"] = result.to_dict()
         entry["note"] = f"{result.describe()}; figures at {shown:.3g} req/s"
         return entry
@@ -220,9 +224,7 @@ class Bench:
         name = f"peer-{self.options.peer}"
         run_dir = self.dir / name
         run_dir.mkdir(exist_ok=True)
-        bar = self.bar(name, len(requests)) if self.bar and self.options.progress else None
-        progress = None if bar is None else (lambda n: bar.update(n - bar.n))
-        try:
+        with self._progress(name, len(requests)) as progress:
             result = run_hf_peer(
                 model_dir,
                 requests,
@@ -230,9 +232,6 @@ class Bench:
                 num_threads=peer_threads(self.config),
                 progress=progress,
             )
-        finally:
-            if bar is not None:
-                bar.close()
         write_requests_csv(run_dir, result.outputs)
         summary = {
             "schema_version": PEER_SUMMARY_VERSION,

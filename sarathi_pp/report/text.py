@@ -27,7 +27,8 @@ COMPARED = (
 )
 
 
-def _get(summary: dict[str, Any], path: tuple[str, ...]) -> Any:
+def get_path(summary: Any, path: tuple[str, ...]) -> Any:
+    """``summary[path[0]][path[1]]...``, or ``None`` where a level is missing."""
     for key in path:
         summary = summary.get(key) if isinstance(summary, dict) else None
     return summary
@@ -156,7 +157,7 @@ def format_comparison(names: list[str], summaries: list[dict[str, Any]]) -> str:
     lines = [row("", names), row("scheduler", [s.get("scheduler") or "?" for s in summaries])]
     lines.append(row("chunk_size", [_chunk_cell(s) for s in summaries]))
     for label, path, unit, *_ in COMPARED:
-        lines.append(row(label, [fmt(_get(s, path), unit) for s in summaries]))
+        lines.append(row(label, [fmt(get_path(s, path), unit) for s in summaries]))
     num_stages = max(s["num_stages"] for s in summaries)
     for i in range(num_stages):
         lines.append(
@@ -178,6 +179,6 @@ def format_comparison(names: list[str], summaries: list[dict[str, Any]]) -> str:
     for other, s in zip(names[1:], summaries[1:], strict=True):
         lines.append(f"{names[0]} vs {other}:")
         for label, path, unit, low, high in COMPARED:
-            values = (_get(summaries[0], path), _get(s, path))
+            values = (get_path(summaries[0], path), get_path(s, path))
             lines.append("  " + ratio_text(label, (names[0], other), values, unit, (low, high)))
     return "\n".join(lines)
