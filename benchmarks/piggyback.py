@@ -7,7 +7,7 @@ batching): the weights are streamed once for ``chunk + N`` rows, and the extra c
 the N decodes is only their share of the matmul arithmetic plus their attention.
 
 This script times, on the embedded default model and through ``StageWorker.execute`` (the
-exact path the engine uses: plan -> metadata -> model -> sampler), three micro-batches:
+exact path the engine uses: micro-batch -> metadata -> model -> sampler), three micro-batches:
 
 * decode-only: N decodes, each with ``--decode-context`` tokens already in its KV cache;
 * prefill-only: one prefill chunk of ``--chunk-size`` tokens at positions
@@ -17,7 +17,7 @@ exact path the engine uses: plan -> metadata -> model -> sampler), three micro-b
 
 and prints, for each N, the cost per decode token in a decode-only step (time / N) and when
 piggybacked ((hybrid - prefill-only) / N), and their ratio. The KV caches are filled first
-(prefill plans for every context), so attention reads real data. Each figure is the median
+(prefill micro-batches for every context), so attention reads real data. Each figure is the median
 of ``--repeats`` runs after ``--warmup`` runs; the three kinds of steps are interleaved
 within each repeat, so a slow spell on a shared machine hits them alike. Compare the
 ratios, not the absolute times.
@@ -48,7 +48,7 @@ from common import (  # noqa: E402
 )
 
 from sarathi_pp import LLM, SamplingParams  # noqa: E402
-from sarathi_pp.plan import MicroBatchPlan, ScheduledChunk  # noqa: E402
+from sarathi_pp.microbatch import MicroBatch, ScheduledChunk  # noqa: E402
 from sarathi_pp.stages.runner import StageWorker  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 @dataclass(frozen=True)
 class Workload:
-    """The chunks the timed plans are made of (the KV caches behind them are filled)."""
+    """The chunks the timed micro-batches are made of (the KV caches behind them are filled)."""
 
     prefill: ScheduledChunk  # the middle chunk of seq 0's prompt
     decodes: tuple[ScheduledChunk, ...]  # one decode per sequence 1..max(N)
@@ -121,10 +121,10 @@ class BlockAllocator:
 def fill_kv(
     worker: StageWorker, seq_id: int, tokens: list[int], table: tuple[int, ...], chunk: int
 ) -> None:
-    """Run prefill plans over ``tokens`` (in chunks of ``chunk``) so their K/V is cached."""
+    """Run prefill micro-batches over ``tokens`` (in chunks of ``chunk``) so their K/V is cached."""
     for start in range(0, len(tokens), chunk):
         piece = ScheduledChunk(seq_id, start, tuple(tokens[start : start + chunk]), True, table)
-        worker.execute(MicroBatchPlan(0, (piece,)))
+        worker.execute(MicroBatch(0, (piece,)))
 
 
 def build_workload(worker: StageWorker, args: argparse.Namespace, block_size: int) -> Workload:
@@ -148,26 +148,26 @@ def build_workload(worker: StageWorker, args: argparse.Namespace, block_size: in
     return Workload(prefill, tuple(decodes))
 
 
-def make_plans(work: Workload, decode_counts: list[int]) -> dict[str, MicroBatchPlan]:
+def make_plans(work: Workload, decode_counts: list[int]) -> dict[str, MicroBatch]:
     """``prefill`` plus ``decode N`` and ``hybrid N`` for every N."""
     ids = itertools.count(1)
-    plans = {"prefill": MicroBatchPlan(next(ids), (work.prefill,))}
+    microbatches = {"prefill": MicroBatch(next(ids), (work.prefill,))}
     for n in decode_counts:
-        plans[f"decode {n}"] = MicroBatchPlan(next(ids), work.decodes[:n])
-        plans[f"hybrid {n}"] = MicroBatchPlan(next(ids), (work.prefill, *work.decodes[:n]))
-    return plans
+        microbatches[f"decode {n}"] = MicroBatch(next(ids), work.decodes[:n])
+        microbatches[f"hybrid {n}"] = MicroBatch(next(ids), (work.prefill, *work.decodes[:n]))
+    return microbatches
 
 
 def measure(
-    worker: StageWorker, plans: dict[str, MicroBatchPlan], warmup: int, repeats: int
+    worker: StageWorker, microbatches: dict[str, MicroBatch], warmup: int, repeats: int
 ) -> dict[str, float]:
-    """Median seconds per plan; every repeat runs all plans once, interleaved.
+    """Median seconds per micro-batch; every repeat runs all micro-batches once, interleaved.
 
-    Re-running a plan rewrites the same K/V to the same slots, so the cache stays valid."""
-    times: dict[str, list[float]] = {name: [] for name in plans}
+    Re-running a micro-batch rewrites the same K/V to the same slots, so the cache stays valid."""
+    times: dict[str, list[float]] = {name: [] for name in microbatches}
     for r in range(warmup + repeats):
-        for name, plan in plans.items():
-            t = time_once(lambda plan=plan: worker.execute(plan))
+        for name, microbatch in microbatches.items():
+            t = time_once(lambda microbatch=microbatch: worker.execute(microbatch))
             if r >= warmup:
                 times[name].append(t)
     return {name: median(ts) for name, ts in times.items()}

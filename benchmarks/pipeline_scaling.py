@@ -125,12 +125,12 @@ class RunResult:
     stage_nice: list[int] = field(default_factory=list)
     stage_spans: list[dict[str, list[Span]]] = field(default_factory=list)  # per stage
     driver_spans: dict[str, list[Span]] = field(default_factory=dict)
-    plans: list[tuple[str, int]] = field(default_factory=list)  # (kind, num_tokens) per plan
+    microbatches: list[tuple[str, int]] = field(default_factory=list)  # (kind, num_tokens) per micro-batch
 
 
 def install_driver_probes(llm: LLM, result: RunResult) -> None:
-    """Time the engine loop's parts, and note every plan submitted: each stage runs the
-    same plans in the same order, so a stage's i-th execute span is plan i."""
+    """Time the engine loop's parts, and note every micro-batch submitted: each stage runs the
+    same micro-batches in the same order, so a stage's i-th execute span is micro-batch i."""
     engine = llm.engine
     spans = result.driver_spans = {"schedule": [], "submit": [], "wait": [], "apply": []}
     _wrap(engine.scheduler, "schedule", spans["schedule"])
@@ -139,9 +139,9 @@ def install_driver_probes(llm: LLM, result: RunResult) -> None:
     _wrap(engine, "_apply", spans["apply"])
     submit = engine.executor.submit
 
-    def noted(plan):
-        result.plans.append((plan.kind, plan.num_tokens))
-        return submit(plan)
+    def noted(microbatch):
+        result.microbatches.append((microbatch.kind, microbatch.num_tokens))
+        return submit(microbatch)
 
     engine.executor.submit = noted
 
@@ -301,12 +301,12 @@ def print_stages(runs: list[RunResult]) -> None:
 
 
 def print_kinds(runs: list[RunResult]) -> None:
-    """Plans by kind, with each stage's compute on them: more in-flight micro-batches split
-    the same decodes over more plans (a sequence is in at most one plan at a time)."""
-    print(f"{'plans':<6} {'kind':<8} {'count':>6} {'tokens':>7}  compute s per stage (ms/plan)")
+    """Micro-batches by kind, with each stage's compute on them: more in-flight micro-batches split
+    the same decodes over more micro-batches (a sequence is in at most one micro-batch at a time)."""
+    print(f"{'micro-batches':<6} {'kind':<8} {'count':>6} {'tokens':>7}  compute s per stage (ms/micro-batch)")
     for r in runs:
         for kind in ("prefill", "hybrid", "decode"):
-            idx = [i for i, (k, _) in enumerate(r.plans) if k == kind]
+            idx = [i for i, (k, _) in enumerate(r.microbatches) if k == kind]
             if not idx:
                 continue
             per_stage = []
@@ -314,7 +314,7 @@ def print_kinds(runs: list[RunResult]) -> None:
                 ex = sp["execute"]
                 secs = sum(ex[i][1] - ex[i][0] for i in idx if i < len(ex))
                 per_stage.append(f"{secs:7.2f} ({1e3 * secs / len(idx):6.1f})")
-            tokens = sum(r.plans[i][1] for i in idx)
+            tokens = sum(r.microbatches[i][1] for i in idx)
             print(f"{r.name:<6} {kind:<8} {len(idx):>6} {tokens:>7}  " + "  ".join(per_stage))
 
 

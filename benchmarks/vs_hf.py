@@ -64,7 +64,7 @@ from sarathi_pp.bench.runner import request_params  # noqa: E402
 from sarathi_pp.bench.workload import BenchRequest, Workload  # noqa: E402
 from sarathi_pp.model_spec import ModelSpec  # noqa: E402
 from sarathi_pp.outputs import RequestOutput  # noqa: E402
-from sarathi_pp.plan import MicroBatchPlan  # noqa: E402
+from sarathi_pp.microbatch import MicroBatch  # noqa: E402
 
 WORKLOAD = "configs/workloads/mixed.yaml"
 QUICK_WORKLOAD = "configs/workloads/short.yaml"
@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 @dataclass
 class StepTotals:
-    """Our ``StageWorker.execute`` calls, keyed by the plan's kind (prefill, hybrid, decode)."""
+    """Our ``StageWorker.execute`` calls, keyed by the micro-batch's kind (prefill, hybrid, decode)."""
 
     step_s: dict[str, float] = field(default_factory=dict)
     step_flops: dict[str, int] = field(default_factory=dict)
@@ -121,8 +121,8 @@ def from_outputs(name: str, outputs: list[RequestOutput]) -> RunResult:
     return RunResult(name, span, tokens, num_failed=sum(o.error is not None for o in outputs))
 
 
-def plan_flops(spec: ModelSpec, plan: MicroBatchPlan) -> int:
-    return sum(chunk_flops(spec, c.start, c.num_tokens, int(c.do_sample)) for c in plan.chunks)
+def plan_flops(spec: ModelSpec, microbatch: MicroBatch) -> int:
+    return sum(chunk_flops(spec, c.start, c.num_tokens, int(c.do_sample)) for c in microbatch.chunks)
 
 
 def workload_flops(spec: ModelSpec, requests: list[BenchRequest]) -> int:
@@ -146,15 +146,15 @@ def build_llm(args: argparse.Namespace) -> LLM:
 
 def time_steps(worker, spec: ModelSpec, totals: StepTotals) -> None:
     """Wrap ``worker.execute`` (an instance attribute, this LLM only) to add each step's
-    seconds and FLOPs to ``totals``, keyed by the plan's kind."""
+    seconds and FLOPs to ``totals``, keyed by the micro-batch's kind."""
     execute = worker.execute
 
-    def timed(plan: MicroBatchPlan, *rest):
+    def timed(microbatch: MicroBatch, *rest):
         t0 = time.perf_counter()
-        out = execute(plan, *rest)
-        kind = plan.kind
+        out = execute(microbatch, *rest)
+        kind = microbatch.kind
         totals.step_s[kind] = totals.step_s.get(kind, 0.0) + time.perf_counter() - t0
-        totals.step_flops[kind] = totals.step_flops.get(kind, 0) + plan_flops(spec, plan)
+        totals.step_flops[kind] = totals.step_flops.get(kind, 0) + plan_flops(spec, microbatch)
         totals.num_steps[kind] = totals.num_steps.get(kind, 0) + 1
         return out
 

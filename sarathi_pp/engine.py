@@ -22,7 +22,7 @@ from sarathi_pp.memory import num_kv_blocks
 from sarathi_pp.model_path import resolve_model_path
 from sarathi_pp.model_spec import ModelSpec, load_model_spec
 from sarathi_pp.outputs import CompletionOutput, RequestOutput
-from sarathi_pp.plan import MicroBatchPlan
+from sarathi_pp.microbatch import MicroBatch
 from sarathi_pp.run_dir import prepare_run_dir, write_config
 from sarathi_pp.sampling_params import SamplingParams
 from sarathi_pp.scheduler import Scheduler, create_scheduler
@@ -89,7 +89,7 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
-        self._inflight: deque[MicroBatchPlan] = deque()
+        self._inflight: deque[MicroBatch] = deque()
         self._seq_ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
         self._text: dict[int, _TextState] = {}
@@ -246,34 +246,34 @@ class LLMEngine:
         if not self._inflight:
             return []
         try:
-            plan, result = self.executor.wait_oldest()
+            microbatch, result = self.executor.wait_oldest()
         except StageError:
             self.shutdown()  # the pipeline is broken: release the stages, then report
             raise
         expected = self._inflight.popleft()
-        assert plan.microbatch_id == expected.microbatch_id, (plan, expected)
-        return self._apply(plan, result)
+        assert microbatch.microbatch_id == expected.microbatch_id, (microbatch, expected)
+        return self._apply(microbatch, result)
 
     def _issue(self) -> None:
         """Issue every micro-batch the scheduler can, up to the in-flight limit."""
         while len(self._inflight) < self.max_inflight:
             now = self.now()
             self._log_chunk_size(now)
-            plan = self.scheduler.schedule(now)
-            if plan is None:
+            microbatch = self.scheduler.schedule(now)
+            if microbatch is None:
                 if self.events is not None:
                     self.events.idle(now, self.scheduler.idle_reason)
                 return
             if self.events is not None:
                 self.events.issue(
-                    plan.microbatch_id,
+                    microbatch.microbatch_id,
                     now,
-                    plan.kind,
-                    plan.num_prefill_tokens,
-                    plan.num_decode_tokens,
+                    microbatch.kind,
+                    microbatch.num_prefill_tokens,
+                    microbatch.num_decode_tokens,
                 )
-            self.executor.submit(plan)
-            self._inflight.append(plan)
+            self.executor.submit(microbatch)
+            self._inflight.append(microbatch)
         if self.events is not None:  # the in-flight limit holds the next micro-batch back
             self.events.idle(self.now(), IDLE_DEPENDENCY)
 
@@ -283,13 +283,13 @@ class LLMEngine:
         if self.events is not None and self.scheduler.chunks_prompts:
             self.events.chunk_size(now, self.scheduler.chunk_size)
 
-    def _apply(self, plan: MicroBatchPlan, result: StepResult) -> list[RequestOutput]:
+    def _apply(self, microbatch: MicroBatch, result: StepResult) -> list[RequestOutput]:
         now = self.now()
         if self.events is not None:
-            self.events.done(plan.microbatch_id, now)
+            self.events.done(microbatch.microbatch_id, now)
             for e in result.events:
                 self.events.stage(e)
-        updated = self.scheduler.on_step_done(plan, result.sampled, now)
+        updated = self.scheduler.on_step_done(microbatch, result.sampled, now)
         outputs = []
         for seq_id, message in result.errors.items():
             seq = self.scheduler.seqs.get(seq_id)

@@ -11,7 +11,7 @@ Schema version 1 (``SCHEMA_VERSION``), by ``type``:
 ``stage``   one per stage per micro-batch: ``stage``, ``mb`` (micro-batch id), ``kind``
             (``prefill``/``decode``/``hybrid``), ``num_prefill_tokens``,
             ``num_decode_tokens``, ``wait_start`` (the stage became free for this
-            micro-batch: it finished the previous one), ``input_ready`` (stage 0: the plan
+            micro-batch: it finished the previous one), ``input_ready`` (stage 0: the micro-batch
             reached the stage; stage s > 0: the hidden states arrived), ``compute_start``,
             ``compute_end``, ``send_end`` (the output was handed to the transport; the last
             stage: the sampled tokens were ready to return).
@@ -102,7 +102,7 @@ class EventLog:
 
     def chunk_size(self, t: float, chunk_size: int) -> None:
         """The scheduler's token budget is ``chunk_size`` from ``t`` on; recorded the first
-        time and when it differs from the last record (so callable before every plan)."""
+        time and when it differs from the last record (so callable before every micro-batch)."""
         if chunk_size != self._chunk_size:
             self._chunk_size = chunk_size
             self.records.append({"type": "chunk_size", "t": t - self.t0, "chunk_size": chunk_size})

@@ -1,10 +1,10 @@
-"""Executors run micro-batch plans on the stages; the engine reaches them by name through
+"""Executors run micro-batches on the stages; the engine reaches them by name through
 this registry, with lazy imports, so the core never imports torch.distributed or Ray.
 
 Contract (``Executor``): ``load_model()`` -> per-stage memory figures;
 ``preferred_block_size()`` (what the attention backend wants); ``init_kv_cache``;
-``submit(plan)`` issues a plan (it may run asynchronously); ``wait_oldest()`` returns the
-oldest outstanding plan with its ``StepResult``; plans complete in issue order.
+``submit(micro-batch)`` issues a micro-batch (it may run asynchronously); ``wait_oldest()`` returns the
+oldest outstanding micro-batch with its ``StepResult``; micro-batches complete in issue order.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from sarathi_pp.config import EngineConfig
     from sarathi_pp.memory import StageMemory
     from sarathi_pp.model_spec import ModelSpec
-    from sarathi_pp.plan import MicroBatchPlan
+    from sarathi_pp.microbatch import MicroBatch
 
 
 class StageError(RuntimeError):
@@ -34,15 +34,15 @@ class StageError(RuntimeError):
 class StepResult:
     sampled: dict[int, int] = field(default_factory=dict)  # seq_id -> token id
     errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why it failed
-    events: list[StageEvent] = field(default_factory=list)  # each stage's timing of the plan
+    events: list[StageEvent] = field(default_factory=list)  # each stage's timing of the micro-batch
 
 
 class Executor(Protocol):
     def load_model(self) -> list[StageMemory]: ...
     def preferred_block_size(self) -> int: ...
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
-    def submit(self, plan: MicroBatchPlan) -> None: ...
-    def wait_oldest(self) -> tuple[MicroBatchPlan, StepResult]: ...
+    def submit(self, microbatch: MicroBatch) -> None: ...
+    def wait_oldest(self) -> tuple[MicroBatch, StepResult]: ...
     def shutdown(self) -> None: ...
 
 

@@ -3,8 +3,8 @@
 Token accounting (see DESIGN.md, "One request's way through"):
 
 * ``token_ids`` = prompt + generated tokens.
-* ``num_scheduled_tokens``: how many leading tokens have been issued in a micro-batch plan;
-  their K/V is in the paged cache once that plan has run. With pipeline parallelism a later
+* ``num_scheduled_tokens``: how many leading tokens have been issued in a micro-batch;
+  their K/V is in the paged cache once that micro-batch has run. With pipeline parallelism a later
   prefill chunk may be issued while an earlier one is still in flight, so this counts
   *issued*, not *finished*, tokens.
 * A sequence is schedulable while ``num_scheduled_tokens < num_tokens``. After its last
@@ -60,7 +60,7 @@ class Sequence:
         self.params = params
         self.status = SequenceStatus.WAITING
         self.num_scheduled_tokens = 0
-        self.num_inflight = 0  # micro-batch plans issued and not yet done that hold this seq
+        self.num_inflight = 0  # micro-batches issued and not yet done that hold this seq
         self.block_table: list[int] = []
         self.admit_order = -1  # set at each admission; larger = admitted more recently
         self.last_scheduled_step = -1
@@ -83,7 +83,7 @@ class Sequence:
 
     @property
     def num_pending_tokens(self) -> int:
-        """Tokens not yet issued in any plan."""
+        """Tokens not yet issued in any microbatch."""
         return self.num_tokens - self.num_scheduled_tokens
 
     # --- state predicates ----------------------------------------------------------------
@@ -96,7 +96,7 @@ class Sequence:
         """True when the next step is a single decode token (not a prompt/recompute chunk).
 
         The last token of a recompute whose previous chunk is still in flight is the tail of
-        that prefill, not a decode: a decoding sequence is in at most one plan in flight."""
+        that prefill, not a decode: a decoding sequence is in at most one micro-batch in flight."""
         return (
             self.num_output_tokens > 0 and self.num_pending_tokens == 1 and self.num_inflight == 0
         )

@@ -1,8 +1,8 @@
-"""Small picklable control messages (plans, sampled tokens) between ranks over a gloo group.
+"""Small picklable control messages (micro-batches, sampled tokens) between ranks over a gloo group.
 
 Why not ``broadcast_object_list`` / ``send_object_list``: both block the sender until the
 receivers take part. With several micro-batches in flight that deadlocks: rank 0 blocks
-broadcasting plan j+1 while the last rank blocks sending plan j's tokens to rank 0. Here a
+broadcasting micro-batch j+1 while the last rank blocks sending micro-batch j's tokens to rank 0. Here a
 send only starts (``isend``) and returns; its buffers are kept until a later ``wait``
 (gloo reports a send complete only on ``wait``), oldest first, so memory stays bounded.
 """

@@ -1,10 +1,10 @@
 """Point-to-point transport of a micro-batch's hidden states between neighbouring stages.
 
 Wire format, stage s -> s+1, one pair of messages per micro-batch, matched in posting order
-(every stage runs its plans in issue order, so both ends post them in the same order):
+(every stage runs its micro-batches in issue order, so both ends post them in the same order):
   1. header  int64 [4] = [microbatch_id, num_tokens, hidden_size, dtype_code]
   2. payload hidden [num_tokens, hidden_size] (not sent when it has no elements)
-The receiver checks the header against what its own plan says before it takes the payload.
+The receiver checks the header against what its own micro-batch says before it takes the payload.
 
 Note [send completion]: sends are ``dist.isend``; the stage goes on computing while they
 drain. A send's tensors must stay alive until it completes, so each one is kept with its
@@ -23,7 +23,7 @@ operation with it fails ("Application timeout caused pair closure"). A timeout i
 fatal for the pipeline, and a short ``wait`` must never be used to poll. On NCCL a wait with
 a timeout blocks the CPU until completion or the timeout (not testable without 2 GPUs).
 
-Not thread-safe: one stage calls ``send``/``recv`` from one thread, in plan order.
+Not thread-safe: one stage calls ``send``/``recv`` from one thread, in micro-batch order.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class StageTimeoutError(StageCommError, TimeoutError):
 
 
 class StageMismatchError(StageCommError):
-    """What arrived (micro-batch id, shape or dtype) is not what the receiver's plan says."""
+    """What arrived (micro-batch id, shape or dtype) is not what the receiver's micro-batch says."""
 
 
 @dataclass(slots=True)
@@ -188,7 +188,7 @@ class StageTransport:
     ) -> torch.Tensor:
         """Receive micro-batch ``microbatch_id``'s hidden states [num_tokens, hidden_size]
         from the previous stage. Raises ``StageMismatchError`` when the sender's header
-        disagrees with these expectations (from the receiver's plan), ``StageTimeoutError``
+        disagrees with these expectations (from the receiver's micro-batch), ``StageTimeoutError``
         when nothing arrives within ``timeout_s``."""
         s = self.stage_idx
         if self._prev_rank is None:
@@ -221,7 +221,7 @@ class StageTransport:
         raise StageMismatchError(
             f"stage {s}: expected {_describe(expected)} from stage {s - 1}, received "
             f"{_describe(received)} (differs in {', '.join(differ)}); the stages' send/recv "
-            f"order or plans disagree"
+            f"order or micro-batches disagree"
             + ("" if drained else "; the payload could not be drained, the channel is unusable")
         )
 
@@ -271,7 +271,7 @@ class StageTransport:
     def _timeout_message(self, action: str, peer: int, elapsed: float, timeout_s: float) -> str:
         return (
             f"stage {self.stage_idx}: timed out after {elapsed:.1f}s (timeout {timeout_s:g}s) "
-            f"waiting {action}; stage {peer} is stuck, has failed, or runs its plans in a "
+            f"waiting {action}; stage {peer} is stuck, has failed, or runs its micro-batches in a "
             f"different order"
         )
 

@@ -1,6 +1,6 @@
 """Pipeline parallelism on Ray: one actor per stage, placed by a placement group.
 
-Control plane: the driver (the engine, with the scheduler) calls ``run(plan)`` on every
+Control plane: the driver (the engine, with the scheduler) calls ``run(micro-batch)`` on every
 stage actor for every micro-batch; Ray runs an actor's calls in submission order, so all
 stages see the micro-batches in issue order. Data plane: the actors pass hidden states
 between themselves over ``torch.distributed`` send/recv (gloo on CPU, NCCL on CUDA) in a
@@ -20,7 +20,7 @@ from sarathi_pp.config import EngineConfig
 from sarathi_pp.executor import StageError, StepResult
 from sarathi_pp.memory import StageMemory
 from sarathi_pp.model_spec import ModelSpec
-from sarathi_pp.plan import MicroBatchPlan
+from sarathi_pp.microbatch import MicroBatch
 from sarathi_pp.stages.partition import format_partition, partition_layers
 from sarathi_pp.stages.runner import StageSpec
 
@@ -71,7 +71,7 @@ class RayExecutor:
         ranges = partition_layers(spec, self.num_stages)  # ValueError before Ray starts
         self._started_ray = _start_ray(ray)
         self.timeout_s = p.stage_timeout_s
-        self._inflight: deque[tuple[MicroBatchPlan, list]] = deque()
+        self._inflight: deque[tuple[MicroBatch, list]] = deque()
         self.actors: list = []
         self.clock_offsets: list[float] = []
         self._pg = None
@@ -162,18 +162,18 @@ class RayExecutor:
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._get([a.init_kv_cache.remote(num_blocks, block_size) for a in self.actors], "KV cache")
 
-    def submit(self, plan: MicroBatchPlan) -> None:
-        self._inflight.append((plan, [a.run.remote(plan) for a in self.actors]))
+    def submit(self, microbatch: MicroBatch) -> None:
+        self._inflight.append((microbatch, [a.run.remote(microbatch) for a in self.actors]))
 
-    def wait_oldest(self) -> tuple[MicroBatchPlan, StepResult]:
-        plan, refs = self._inflight.popleft()
-        outputs = self._wait_stages(plan, refs)  # [(result or None, StageEvent)] per stage
+    def wait_oldest(self) -> tuple[MicroBatch, StepResult]:
+        microbatch, refs = self._inflight.popleft()
+        outputs = self._wait_stages(microbatch, refs)  # [(result or None, StageEvent)] per stage
         result = outputs[-1][0]
         result.events = [e.shifted(off) for (_, e), off in zip(outputs, self.clock_offsets)]
-        return plan, result
+        return microbatch, result
 
-    def _wait_stages(self, plan: MicroBatchPlan, refs: list) -> list:
-        """All stages' results for ``plan``. A stage that fails or dies is reported as soon
+    def _wait_stages(self, microbatch: MicroBatch, refs: list) -> list:
+        """All stages' results for ``microbatch``. A stage that fails or dies is reported as soon
         as its result is ready, not after the others time out waiting for it."""
         ray = self._ray
         index = {ref: i for i, ref in enumerate(refs)}
@@ -186,21 +186,21 @@ class RayExecutor:
             if not ready:
                 late = min(index[r] for r in remaining)
                 raise StageError(
-                    late, f"micro-batch {plan.microbatch_id}: no result within {self.timeout_s:g} s"
+                    late, f"micro-batch {microbatch.microbatch_id}: no result within {self.timeout_s:g} s"
                 )
             for ref in ready:
-                self._get_one(index[ref], ref, plan)
+                self._get_one(index[ref], ref, microbatch)
         return [self._ray.get(ref) for ref in refs]
 
-    def _get_one(self, stage_idx: int, ref, plan: MicroBatchPlan):
+    def _get_one(self, stage_idx: int, ref, microbatch: MicroBatch):
         from ray.exceptions import RayActorError, RayTaskError
 
         try:
             return self._ray.get(ref)
         except RayActorError as e:
-            raise StageError(stage_idx, f"micro-batch {plan.microbatch_id}: the stage actor died") from e
+            raise StageError(stage_idx, f"micro-batch {microbatch.microbatch_id}: the stage actor died") from e
         except RayTaskError as e:
-            raise StageError(stage_idx, f"micro-batch {plan.microbatch_id} failed: {e.cause!r}") from e
+            raise StageError(stage_idx, f"micro-batch {microbatch.microbatch_id} failed: {e.cause!r}") from e
 
     def shutdown(self) -> None:
         ray = self._ray

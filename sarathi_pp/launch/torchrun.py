@@ -5,7 +5,7 @@ the outputs, exactly as ``sarathi-pp generate`` does; ranks 1..P-1 each serve on
 
 Process groups: the default group (from torchrun's environment; NCCL on CUDA, gloo on CPU)
 is the data plane for hidden states. Two gloo side groups form the control plane: rank 0
-broadcasts each micro-batch plan on ``plans``; the last rank sends each plan's sampled
+broadcasts each micro-batch on ``micro-batches``; the last rank sends each micro-batch's sampled
 tokens, or its error, back to rank 0 on ``results``. A middle rank that fails exits; the
 stage after it then fails its receive (closed connection or timeout, naming the stages)
 and that error travels to rank 0 the same way.
@@ -28,7 +28,7 @@ from sarathi_pp.events import StageEvent
 from sarathi_pp.executor import StageError, StepResult
 from sarathi_pp.memory import StageMemory
 from sarathi_pp.model_spec import ModelSpec, load_model_spec
-from sarathi_pp.plan import MicroBatchPlan
+from sarathi_pp.microbatch import MicroBatch
 from sarathi_pp.stages.device import resolve_device, resolve_dtype
 from sarathi_pp.stages.partition import partition_layers
 from sarathi_pp.stages.pipeline_stage import PipelineStage
@@ -37,9 +37,9 @@ from sarathi_pp.stages.runner import StageSpec
 
 @dataclass
 class _Groups:
-    plans: ObjectChannel  # rank 0 -> every other rank
+    microbatches: ObjectChannel  # rank 0 -> every other rank
     results: ObjectChannel  # last rank -> rank 0: sampled tokens or the error
-    events: ObjectChannel  # middle ranks -> rank 0: their timing of each plan
+    events: ObjectChannel  # middle ranks -> rank 0: their timing of each micro-batch
     setup: object  # gloo group for the one-off collectives of set-up
 
 
@@ -64,7 +64,7 @@ def init_torchrun(config: EngineConfig) -> _Groups:
     dist.init_process_group(backend=pick_backend(device), timeout=timeout)
     t = config.parallel.stage_timeout_s
     _GROUPS = _Groups(
-        plans=ObjectChannel(dist.new_group(backend="gloo", timeout=timeout), t),
+        microbatches=ObjectChannel(dist.new_group(backend="gloo", timeout=timeout), t),
         results=ObjectChannel(dist.new_group(backend="gloo", timeout=timeout), t),
         events=ObjectChannel(dist.new_group(backend="gloo", timeout=timeout), t),
         setup=dist.new_group(backend="gloo", timeout=timeout),
@@ -94,7 +94,7 @@ class TorchrunExecutor:
         self.groups = _GROUPS
         self.num_stages = config.parallel.pipeline_parallel_size
         self.stage = _make_stage(config, spec, model_dir, max_model_len, rank=0)
-        self._inflight: deque[tuple[MicroBatchPlan, StepResult | None, StageEvent]] = deque()
+        self._inflight: deque[tuple[MicroBatch, StepResult | None, StageEvent]] = deque()
         self._closed = False
         _ACTIVE.append(self)
 
@@ -110,31 +110,31 @@ class TorchrunExecutor:
         dist.broadcast_object_list([(num_blocks, block_size)], src=0, group=self.groups.setup)
         self.stage.init_kv_cache(num_blocks, block_size)
 
-    def submit(self, plan: MicroBatchPlan) -> None:
+    def submit(self, microbatch: MicroBatch) -> None:
         for rank in range(1, self.num_stages):
-            self.groups.plans.send(plan, rank)
-        self._inflight.append((plan, *self.stage.run(plan)))
+            self.groups.microbatches.send(microbatch, rank)
+        self._inflight.append((microbatch, *self.stage.run(microbatch)))
 
-    def wait_oldest(self) -> tuple[MicroBatchPlan, StepResult]:
-        plan, local, event = self._inflight.popleft()
+    def wait_oldest(self) -> tuple[MicroBatch, StepResult]:
+        microbatch, local, event = self._inflight.popleft()
         if local is not None:  # a single stage: rank 0 is also the last
             local.events = [event]
-            return plan, local
+            return microbatch, local
         last = self.num_stages - 1
         try:
-            message = self.groups.results.recv(last, f"micro-batch {plan.microbatch_id}'s tokens")
+            message = self.groups.results.recv(last, f"micro-batch {microbatch.microbatch_id}'s tokens")
         except StageCommError as e:  # the last rank died or the wait timed out
             raise StageError(last, str(e)) from e
         kind, stage_idx, microbatch_id, payload = message
         if kind == "error":
             raise StageError(stage_idx, f"micro-batch {microbatch_id} failed: {payload}")
-        if microbatch_id != plan.microbatch_id:
-            raise StageError(stage_idx, f"sent micro-batch {microbatch_id}, expected {plan.microbatch_id}")
+        if microbatch_id != microbatch.microbatch_id:
+            raise StageError(stage_idx, f"sent micro-batch {microbatch_id}, expected {microbatch.microbatch_id}")
         result, last_event = payload
-        # Middle ranks sent their timing of this plan before the last rank could finish it.
+        # Middle ranks sent their timing of this micro-batch before the last rank could finish it.
         middle = [self.groups.events.recv(r, "stage timing") for r in range(1, last)]
         result.events = [event, *middle, last_event]
-        return plan, result
+        return microbatch, result
 
     def shutdown(self) -> None:
         if self._closed:
@@ -142,15 +142,15 @@ class TorchrunExecutor:
         self._closed = True
         try:
             for rank in range(1, self.num_stages):
-                self.groups.plans.send(None, rank)
-            self.groups.plans.flush()
+                self.groups.microbatches.send(None, rank)
+            self.groups.microbatches.flush()
         except Exception:  # noqa: BLE001 - the others may be gone already
             pass
         self.stage.shutdown()
 
 
 def serve_stage(config: EngineConfig, rank: int) -> None:
-    """Ranks 1..P-1: run one stage on every plan rank 0 broadcasts, until ``None``."""
+    """Ranks 1..P-1: run one stage on every micro-batch rank 0 broadcasts, until ``None``."""
     from sarathi_pp.engine import resolve_max_model_len
     from sarathi_pp.model_path import resolve_model_path
 
@@ -163,16 +163,16 @@ def serve_stage(config: EngineConfig, rank: int) -> None:
     box: list = [None]
     dist.broadcast_object_list(box, src=0, group=groups.setup)
     stage.init_kv_cache(*box[0])
-    while (plan := groups.plans.recv(0, "the next plan")) is not None:
+    while (microbatch := groups.microbatches.recv(0, "the next micro-batch")) is not None:
         try:
-            result, event = stage.run(plan)
+            result, event = stage.run(microbatch)
         except Exception as e:
             if stage.stage.is_last:  # rank 0 waits on the last rank: tell it what failed
-                groups.results.send(("error", rank, plan.microbatch_id, f"{type(e).__name__}: {e}"), 0)
+                groups.results.send(("error", rank, microbatch.microbatch_id, f"{type(e).__name__}: {e}"), 0)
                 groups.results.flush()
             raise
         if stage.stage.is_last:
-            groups.results.send(("ok", rank, plan.microbatch_id, (result, event)), 0)
+            groups.results.send(("ok", rank, microbatch.microbatch_id, (result, event)), 0)
         else:
             groups.events.send(event, 0)
     groups.events.flush()

@@ -18,9 +18,9 @@ Every stage's run is cut into contiguous segments, each ``busy`` or one bubble c
 3. The wait for ``j``: from where 2. ended for ``j-1`` (the run's start for the first
    micro-batch) to ``compute_start(j)``; it includes ``input_ready -> compute_start``.
 
-   - Stage 0, up to ``r = input_ready(j)`` (the plan reached the stage): where a scheduler
+   - Stage 0, up to ``r = input_ready(j)`` (the micro-batch reached the stage): where a scheduler
      ``idle`` record overlaps, its reason (``no_work`` / ``dependency``); elsewhere
-     ``schedule``. After ``r`` (the plan is there, compute not started): ``schedule``.
+     ``schedule``. After ``r`` (the micro-batch is there, compute not started): ``schedule``.
    - Stage s > 0, split at ``c = compute_end(s-1, j)``: after ``c`` (the transfer and
      receive) is ``comm``. Before ``c`` (length ``L``): let ``G`` be stage s-1's own wait
      for ``j`` restricted to its scheduler classes (``no_work``, ``dependency``,

@@ -1,11 +1,11 @@
-"""What every policy shares: queues, admission, KV blocks, preemption, plan bookkeeping.
+"""What every policy shares: queues, admission, KV blocks, preemption, micro-batch bookkeeping.
 
 A policy only decides which sequences and how many tokens of each go into the next
-micro-batch (``_select``); this base turns the choice into a ``MicroBatchPlan``.
+micro-batch (``_select``); this base turns the choice into a ``MicroBatch``.
 
-Lifecycle: ``add`` -> ``schedule(now)`` (zero or more times, each plan is in flight until)
--> ``on_step_done(plan, sampled, now)`` -> the engine checks stop conditions and calls
-``finish``. Blocks of a finished sequence are freed once no plan in flight holds it.
+Lifecycle: ``add`` -> ``schedule(now)`` (zero or more times, each micro-batch is in flight until)
+-> ``on_step_done(microbatch, sampled, now)`` -> the engine checks stop conditions and calls
+``finish``. Blocks of a finished sequence are freed once no micro-batch in flight holds it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections import deque
 
 from sarathi_pp.block_manager import BlockManager
 from sarathi_pp.config import SchedulerConfig
-from sarathi_pp.plan import MicroBatchPlan, ScheduledChunk
+from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
 from sarathi_pp.scheduler.chunk_tuner import ChunkTuner, kv_decode_batch
 from sarathi_pp.sequence import Sequence, SequenceStatus
 
@@ -89,7 +89,7 @@ class Scheduler(ABC):
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence, status: SequenceStatus, now: float, reason=None) -> None:
-        """End ``seq``; its blocks are freed now, or when its last plan in flight is done."""
+        """End ``seq``; its blocks are freed now, or when its last micro-batch in flight is done."""
         if seq.is_finished:
             return
         seq.finish(status, now, reason)
@@ -107,24 +107,24 @@ class Scheduler(ABC):
             self.seqs.pop(seq.seq_id, None)
 
     # --- scheduling ----------------------------------------------------------------------
-    def schedule(self, now: float) -> MicroBatchPlan | None:
+    def schedule(self, now: float) -> MicroBatch | None:
         """The next micro-batch, or ``None`` (then ``idle_reason`` says why)."""
         selection = self._select(now)
         if not selection:
             self.idle_reason = IDLE_DEPENDENCY if self._has_arrived_work(now) else IDLE_NO_WORK
             return None
         self.idle_reason = None
-        return self._make_plan(selection, now)
+        return self._make_microbatch(selection, now)
 
     @abstractmethod
     def _select(self, now: float) -> Selection:
         """Pick (sequence, num_tokens) pairs; blocks for them must already be reserved."""
 
     def on_step_done(
-        self, plan: MicroBatchPlan, sampled: dict[int, int], now: float
+        self, microbatch: MicroBatch, sampled: dict[int, int], now: float
     ) -> list[Sequence]:
-        """Account a finished plan; returns the live sequences that received a token."""
-        for chunk in plan.chunks:
+        """Account a finished micro-batch; returns the live sequences that received a token."""
+        for chunk in microbatch.chunks:
             self.seqs_by_id(chunk.seq_id).num_inflight -= 1
         updated = []
         for seq_id, token in sampled.items():
@@ -132,12 +132,12 @@ class Scheduler(ABC):
             if not seq.is_finished:
                 seq.append_token(token, now)
                 updated.append(seq)
-        for chunk in plan.chunks:
+        for chunk in microbatch.chunks:
             self._release_if_idle(self.seqs_by_id(chunk.seq_id))
         return updated
 
     def seqs_by_id(self, seq_id: int) -> Sequence:
-        # Known until freed, even after ``finish``: a plan in flight may still hold it.
+        # Known until freed, even after ``finish``: a micro-batch in flight may still hold it.
         return self.seqs[seq_id]
 
     # --- helpers for policies ------------------------------------------------------------
@@ -182,8 +182,8 @@ class Scheduler(ABC):
     def _reserve(self, seq: Sequence, num_tokens: int, protected: set[int]) -> bool:
         """Blocks for the next ``num_tokens`` tokens of ``seq``, preempting if needed.
 
-        Victims are the most recently admitted running sequences that no plan in flight
-        holds and that are not already in this plan (``protected``); possibly ``seq``
+        Victims are the most recently admitted running sequences that no micro-batch in flight
+        holds and that are not already in this micro-batch (``protected``); possibly ``seq``
         itself, which then is not scheduled.
         """
         end = seq.num_scheduled_tokens + num_tokens
@@ -231,16 +231,16 @@ class Scheduler(ABC):
             out[i] = (seq, n - cut)
         return [(s, n) for s, n in out if n > 0]
 
-    def _make_plan(self, selection: Selection, now: float) -> MicroBatchPlan:
+    def _make_microbatch(self, selection: Selection, now: float) -> MicroBatch:
         self._step += 1
         prefills = [(s, n) for s, n in selection if not s.is_decode]
         decodes = [(s, n) for s, n in selection if s.is_decode]
         chunks = []
         for seq, n in prefills + decodes:  # layout: prefill rows first, then decode rows
             chunks.append(self._issue(seq, n))
-        plan = MicroBatchPlan(self._next_microbatch_id, tuple(chunks))
+        microbatch = MicroBatch(self._next_microbatch_id, tuple(chunks))
         self._next_microbatch_id += 1
-        return plan
+        return microbatch
 
     def _issue(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_scheduled_tokens

@@ -1,2 +1,2 @@
 """A pipeline stage: a slice of the model's layers, its KV cache, the runner that turns a
-micro-batch plan into tensors, and (on the last stage) the sampler."""
+micro-batch into tensors, and (on the last stage) the sampler."""

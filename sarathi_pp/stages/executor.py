@@ -1,6 +1,6 @@
 """The single-process executor: one stage holding every layer, run synchronously.
 
-A plan that raises is retried one sequence at a time, so one failing request finishes with
+A micro-batch that raises is retried one sequence at a time, so one failing request finishes with
 an error of its own while the others go on (K/V writes are idempotent: a retried chunk
 writes the same values to the same slots).
 """
@@ -18,7 +18,7 @@ from sarathi_pp.events import StageEvent
 from sarathi_pp.executor import StepResult
 from sarathi_pp.memory import StageMemory
 from sarathi_pp.model_spec import ModelSpec
-from sarathi_pp.plan import MicroBatchPlan
+from sarathi_pp.microbatch import MicroBatch
 from sarathi_pp.stages.attention import preferred_block_size
 from sarathi_pp.stages.device import resolve_device, resolve_dtype
 from sarathi_pp.stages.runner import StageSpec, StageWorker, to_step_result
@@ -35,7 +35,7 @@ class UniprocExecutor:
             torch.set_num_threads(config.parallel.num_threads_per_stage)
         self.config = config
         self.worker = StageWorker(spec, model_dir, stage, max_model_len)
-        self._done: deque[tuple[MicroBatchPlan, StepResult]] = deque()
+        self._done: deque[tuple[MicroBatch, StepResult]] = deque()
         self._free_since = time.monotonic()
 
     def load_model(self) -> list[StageMemory]:
@@ -48,35 +48,35 @@ class UniprocExecutor:
         self.worker.init_kv_cache(num_blocks, block_size)
         self._free_since = time.monotonic()
 
-    def submit(self, plan: MicroBatchPlan) -> None:
+    def submit(self, microbatch: MicroBatch) -> None:
         compute_start = time.monotonic()
-        result = self._run(plan)
+        result = self._run(microbatch)
         end = time.monotonic()
         result.events = [
-            StageEvent(0, plan.microbatch_id, plan.kind, plan.num_prefill_tokens,
-                       plan.num_decode_tokens, self._free_since, compute_start, compute_start,
+            StageEvent(0, microbatch.microbatch_id, microbatch.kind, microbatch.num_prefill_tokens,
+                       microbatch.num_decode_tokens, self._free_since, compute_start, compute_start,
                        end, end)
         ]
         self._free_since = end
-        self._done.append((plan, result))
+        self._done.append((microbatch, result))
 
-    def wait_oldest(self) -> tuple[MicroBatchPlan, StepResult]:
+    def wait_oldest(self) -> tuple[MicroBatch, StepResult]:
         return self._done.popleft()
 
     def shutdown(self) -> None:
         self._done.clear()
 
-    def _run(self, plan: MicroBatchPlan) -> StepResult:
+    def _run(self, microbatch: MicroBatch) -> StepResult:
         try:
-            return to_step_result(self.worker.execute(plan))
+            return to_step_result(self.worker.execute(microbatch))
         except Exception as e:  # noqa: BLE001 - isolate the request(s) that fail
-            if len(plan.chunks) == 1:
-                seq_id = plan.chunks[0].seq_id
+            if len(microbatch.chunks) == 1:
+                seq_id = microbatch.chunks[0].seq_id
                 logger.exception("request of sequence %d failed", seq_id)
                 return StepResult(errors={seq_id: f"{type(e).__name__}: {e}"})
         result = StepResult()
-        for chunk in plan.chunks:  # one at a time, to find the culprit(s)
-            solo = self._run(MicroBatchPlan(plan.microbatch_id, (chunk,)))
+        for chunk in microbatch.chunks:  # one at a time, to find the culprit(s)
+            solo = self._run(MicroBatch(microbatch.microbatch_id, (chunk,)))
             result.sampled.update(solo.sampled)
             result.errors.update(solo.errors)
         return result

@@ -1,7 +1,7 @@
 """One pipeline stage as a process: its ``StageWorker`` plus the transport to its neighbours.
 
 The same class runs inside a Ray actor (``launch/ray_executor.py``) and inside a torchrun
-rank (``launch/torchrun.py``). ``run(plan)`` is called for every micro-batch in the order the
+rank (``launch/torchrun.py``). ``run(micro-batch)`` is called for every micro-batch in the order the
 scheduler issued them: stage s > 0 receives the micro-batch's hidden states from stage s-1,
 runs its layers (writing its KV blocks), and sends the result on; the last stage returns the
 sampled tokens. Activations never pass through the control plane.
@@ -28,7 +28,7 @@ from sarathi_pp.events import StageEvent
 from sarathi_pp.executor import StepResult
 from sarathi_pp.memory import StageMemory
 from sarathi_pp.model_spec import ModelSpec
-from sarathi_pp.plan import MicroBatchPlan
+from sarathi_pp.microbatch import MicroBatch
 from sarathi_pp.stages.runner import StageSpec, StageWorker, to_step_result
 
 
@@ -100,29 +100,29 @@ class PipelineStage:
         self._free_since = time.monotonic()
 
     # --- one micro-batch -----------------------------------------------------------------------
-    def run(self, plan: MicroBatchPlan) -> tuple[StepResult | None, StageEvent]:
+    def run(self, microbatch: MicroBatch) -> tuple[StepResult | None, StageEvent]:
         """Run one micro-batch; returns the sampled tokens (last stage, else ``None``) and
         this stage's timing of it (a few clock reads: no per-token work)."""
         assert self.transport is not None, "init_group/attach_transport first"
         s = self.stage
         wait_start = self._free_since
-        arrived = time.monotonic()  # stage 0: the plan is here; s > 0: now wait for input
+        arrived = time.monotonic()  # stage 0: the micro-batch is here; s > 0: now wait for input
         hidden = None
         if not s.is_first:
-            hidden = self.transport.recv(plan.microbatch_id, plan.num_tokens, self.spec.hidden_size, self.worker.dtype)
+            hidden = self.transport.recv(microbatch.microbatch_id, microbatch.num_tokens, self.spec.hidden_size, self.worker.dtype)
         compute_start = time.monotonic()
-        out = self.worker.execute(plan, hidden)
+        out = self.worker.execute(microbatch, hidden)
         compute_end = time.monotonic()
         result = None
         if s.is_last:
             result = to_step_result(out)
         else:
-            self.transport.send(plan.microbatch_id, out)
+            self.transport.send(microbatch.microbatch_id, out)
         self._free_since = time.monotonic()
-        input_ready = arrived if s.is_first else compute_start  # the plan / the hidden states
+        input_ready = arrived if s.is_first else compute_start  # the micro-batch / the hidden states
         event = StageEvent(
-            s.stage_idx, plan.microbatch_id, plan.kind, plan.num_prefill_tokens,
-            plan.num_decode_tokens, min(wait_start, arrived), input_ready,
+            s.stage_idx, microbatch.microbatch_id, microbatch.kind, microbatch.num_prefill_tokens,
+            microbatch.num_decode_tokens, min(wait_start, arrived), input_ready,
             compute_start, compute_end, self._free_since,
         )
         return result, event

@@ -2,15 +2,15 @@
 
 The stage is built as the engine builds it (the config's layer partition, device, dtype,
 CPU threads and KV block size) as a lone ``StageWorker``, and each configuration of the
-grid is timed through ``StageWorker.execute`` on a hand-made plan: the exact path of a run
-(plan -> metadata -> layers -> sampler on the last stage), as ``benchmarks/piggyback.py``
+grid is timed through ``StageWorker.execute`` on a hand-made micro-batch: the exact path of a run
+(micro-batch -> metadata -> layers -> sampler on the last stage), as ``benchmarks/piggyback.py``
 times it. A stage after the first gets random hidden states in place of its predecessor's.
 
 The KV cache is filled with random values instead of by prefills of every context
 (minutes): attention costs the same whatever the values, but not whatever the memory. On
 CPU the cache's zeros come from calloc, and a page never written reads from the kernel's
 one shared zero page, always in cache: attention over it would look cheaper than over a
-context a run wrote. Every sequence of a plan gets blocks of its own, so decodes read as
+context a run wrote. Every sequence of a micro-batch gets blocks of its own, so decodes read as
 much memory as in a run.
 """
 
@@ -27,7 +27,7 @@ import torch
 
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.model_spec import ModelSpec
-from sarathi_pp.plan import MicroBatchPlan, ScheduledChunk
+from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
 from sarathi_pp.profile_analysis import GridPoint, ProfileRow
 from sarathi_pp.sampling_params import SamplingParams
 from sarathi_pp.stages.attention import preferred_block_size
@@ -132,7 +132,7 @@ class StageProfiler:
         decode = -(-(pt.context_len + 1) // bs)  # + 1: the decode token's own slot
         return prefill + pt.decode_tokens * decode
 
-    def plan(self, pt: GridPoint, microbatch_id: int = 0) -> MicroBatchPlan:
+    def microbatch(self, pt: GridPoint, microbatch_id: int = 0) -> MicroBatch:
         """The micro-batch of ``pt``: seq 0 prefills ``[x, x + p)``, seqs 1..d decode at x."""
         bs, x = self.setup.block_size, pt.context_len
         next_block = 0
@@ -151,7 +151,7 @@ class StageProfiler:
             chunks.append(
                 ScheduledChunk(seq_id, x, self._tokens(1), False, table(x + 1), GREEDY, 1)
             )
-        return MicroBatchPlan(microbatch_id, tuple(chunks))
+        return MicroBatch(microbatch_id, tuple(chunks))
 
     def _tokens(self, n: int) -> tuple[int, ...]:
         return tuple(self._rng.randrange(self.spec.vocab_size) for _ in range(n))
@@ -160,13 +160,13 @@ class StageProfiler:
         """The stage's input hidden states ``[num_tokens, hidden]``; ``None`` on the first."""
         return None if self._hidden_pool is None else self._hidden_pool[:num_tokens]
 
-    def time_once(self, plan: MicroBatchPlan, hidden: torch.Tensor | None) -> float:
+    def time_once(self, microbatch: MicroBatch, hidden: torch.Tensor | None) -> float:
         """Wall seconds of one forward (CUDA: synchronized; CPU work is synchronous)."""
         is_cuda = self.worker.device.type == "cuda"
         if is_cuda:
             torch.cuda.synchronize(self.worker.device)
         t0 = time.perf_counter()
-        self.worker.execute(plan, hidden)
+        self.worker.execute(microbatch, hidden)
         if is_cuda:
             torch.cuda.synchronize(self.worker.device)
         return time.perf_counter() - t0
@@ -185,14 +185,14 @@ class StageProfiler:
         if repeats < 1 or warmup < 0:
             raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
         inputs = [
-            (self.plan(pt, i), self._hidden(pt.prefill_tokens + pt.decode_tokens))
+            (self.microbatch(pt, i), self._hidden(pt.prefill_tokens + pt.decode_tokens))
             for i, pt in enumerate(points)
         ]
         times: list[list[float]] = [[] for _ in points]
         total = warmup + repeats
         for pass_idx in range(total):
-            for ts, (plan, hidden) in zip(times, inputs):
-                t = self.time_once(plan, hidden)
+            for ts, (microbatch, hidden) in zip(times, inputs):
+                t = self.time_once(microbatch, hidden)
                 if pass_idx >= warmup:
                     ts.append(t)
             if on_pass is not None:

@@ -1,7 +1,7 @@
-"""Turn a micro-batch plan into tensors and run one stage on it.
+"""Turn a micro-batch into tensors and run one stage on it.
 
 ``StageWorker`` owns a stage's layers and KV cache. The same class runs in-process (one
-stage), inside a Ray actor, or inside a torchrun rank: it only needs a plan and, on stages
+stage), inside a Ray actor, or inside a torchrun rank: it only needs a micro-batch and, on stages
 after the first, the hidden states received from the previous stage.
 """
 
@@ -16,7 +16,7 @@ from sarathi_pp.config import CacheConfig
 from sarathi_pp.executor import StepResult
 from sarathi_pp.memory import StageMemory
 from sarathi_pp.model_spec import ModelSpec
-from sarathi_pp.plan import MicroBatchPlan
+from sarathi_pp.microbatch import MicroBatch
 from sarathi_pp.stages.attention import AttentionMetadata, PrefillSlice, select_backend
 from sarathi_pp.stages.kv_cache import KVCache
 from sarathi_pp.stages.model import StageModel
@@ -52,16 +52,16 @@ def _slots(block_table: torch.Tensor, block_size: int, num_tokens: int) -> torch
 
 
 def build_metadata(
-    plan: MicroBatchPlan, block_size: int, device: torch.device, backend: str = "torch"
+    microbatch: MicroBatch, block_size: int, device: torch.device, backend: str = "torch"
 ) -> tuple[torch.Tensor, AttentionMetadata]:
-    """Token ids ``[num_tokens]`` and attention metadata for ``plan`` (prefills first)."""
+    """Token ids ``[num_tokens]`` and attention metadata for ``microbatch`` (prefills first)."""
     tokens: list[int] = []
     positions: list[torch.Tensor] = []
     slots: list[torch.Tensor] = []
     prefills: list[PrefillSlice] = []
     row = 0
-    decodes = [c for c in plan.chunks if not c.is_prefill]
-    for c in plan.chunks:
+    decodes = [c for c in microbatch.chunks if not c.is_prefill]
+    for c in microbatch.chunks:
         if not c.is_prefill:
             continue
         num_ctx_blocks = -(-c.end // block_size)
@@ -96,12 +96,12 @@ def build_metadata(
         block_size=block_size,
     )
     if backend == "flash_attn":
-        _add_flash_metadata(meta, plan, device)
+        _add_flash_metadata(meta, microbatch, device)
     return torch.tensor(tokens, dtype=torch.long, device=device), meta
 
 
-def _add_flash_metadata(meta: AttentionMetadata, plan: MicroBatchPlan, device: torch.device) -> None:
-    chunks = list(plan.chunks)  # prefills first, then decodes: the same order as the rows
+def _add_flash_metadata(meta: AttentionMetadata, microbatch: MicroBatch, device: torch.device) -> None:
+    chunks = list(microbatch.chunks)  # prefills first, then decodes: the same order as the rows
     max_blocks = max(len(c.block_table) for c in chunks)
     tables = [list(c.block_table) + [0] * (max_blocks - len(c.block_table)) for c in chunks]
     meta.block_tables = torch.tensor(tables, dtype=torch.int32, device=device)
@@ -115,10 +115,10 @@ def _add_flash_metadata(meta: AttentionMetadata, plan: MicroBatchPlan, device: t
     meta.max_context_len = max(c.end for c in chunks)
 
 
-def sample_rows(plan: MicroBatchPlan) -> list[int]:
+def sample_rows(microbatch: MicroBatch) -> list[int]:
     """Row index of the last token of every chunk that samples."""
     rows, row = [], 0
-    for c in plan.chunks:
+    for c in microbatch.chunks:
         row += c.num_tokens
         if c.do_sample:
             rows.append(row - 1)
@@ -176,31 +176,31 @@ class StageWorker:
 
     # --- one micro-batch -------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, plan: MicroBatchPlan, hidden: torch.Tensor | None = None):
-        """Run this stage on ``plan``. Returns hidden states ``[num_tokens, hidden]`` for the
+    def execute(self, microbatch: MicroBatch, hidden: torch.Tensor | None = None):
+        """Run this stage on ``microbatch``. Returns hidden states ``[num_tokens, hidden]`` for the
         next stage, or on the last stage the sampled tokens ``{seq_id: token_id}``."""
         assert self.model is not None and self.kv is not None, "load_model/init_kv_cache first"
-        token_ids, meta = build_metadata(plan, self.block_size, self.device, self.backend)
+        token_ids, meta = build_metadata(microbatch, self.block_size, self.device, self.backend)
         if self.stage.is_first:
             inputs = token_ids
         else:
-            if hidden is None or hidden.shape != (plan.num_tokens, self.spec.hidden_size):
+            if hidden is None or hidden.shape != (microbatch.num_tokens, self.spec.hidden_size):
                 got = None if hidden is None else tuple(hidden.shape)
                 raise ValueError(
-                    f"stage {self.stage.stage_idx}: micro-batch {plan.microbatch_id} expects hidden "
-                    f"[{plan.num_tokens}, {self.spec.hidden_size}], got {got}"
+                    f"stage {self.stage.stage_idx}: micro-batch {microbatch.microbatch_id} expects hidden "
+                    f"[{microbatch.num_tokens}, {self.spec.hidden_size}], got {got}"
                 )
             inputs = hidden
         out = self.model.forward(inputs, meta, self.kv)
         if not self.stage.is_last:
             return out
-        return self._sample(plan, out)
+        return self._sample(microbatch, out)
 
-    def _sample(self, plan: MicroBatchPlan, hidden: torch.Tensor) -> dict[int, int]:
-        rows = sample_rows(plan)
+    def _sample(self, microbatch: MicroBatch, hidden: torch.Tensor) -> dict[int, int]:
+        rows = sample_rows(microbatch)
         if not rows:
             return {}
-        chunks = [c for c in plan.chunks if c.do_sample]
+        chunks = [c for c in microbatch.chunks if c.do_sample]
         logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
         params = [c.sampling_params for c in chunks]
         tokens = sample(logits, params, [c.num_output_tokens for c in chunks])

@@ -51,7 +51,7 @@ def test_tile_alignment_trims_and_matches_hf(llama_dir, scheduler, chunk_size):
               tile_align=True, tile_size=8)
     sizes = []
     real_submit = llm.engine.executor.submit
-    llm.engine.executor.submit = lambda plan: (sizes.append((plan.num_prefill_tokens, plan.num_tokens)), real_submit(plan))[1]
+    llm.engine.executor.submit = lambda microbatch: (sizes.append((microbatch.num_prefill_tokens, microbatch.num_tokens)), real_submit(microbatch))[1]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     check_against_hf(llama_dir, outs, prompts)
     trimmed = [(p, n) for p, n in sizes if p and n < chunk_size and n % 8 == 0]

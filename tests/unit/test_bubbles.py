@@ -148,7 +148,7 @@ def test_comm_send_and_transfer():
 
 # --- scheduler classes on stage 0 and passed down -------------------------------------------
 def scheduler_gap_log() -> list[dict]:
-    """Stage 0 waits for mb 1 over [1, 2.75]: dependency [1, 1.5], no_work [1.5, 2], the plan
+    """Stage 0 waits for mb 1 over [1, 2.75]: dependency [1, 1.5], no_work [1.5, 2], the micro-batch
     issued at 2.25 reaches the stage at 2.5 and compute starts at 2.75."""
     return [
         header(2),

@@ -148,7 +148,7 @@ def two_phase_requests() -> list[Request]:
 
 @pytest.mark.parametrize("num_inflight", [1, 3])
 @pytest.mark.parametrize("policy", ["sarathi", "simple_chunking"])
-def test_budget_changes_mid_run_and_every_plan_respects_the_budget_in_force(policy, num_inflight):
+def test_budget_changes_mid_run_and_every_microbatch_respects_the_budget_in_force(policy, num_inflight):
     sched = make_scheduler(
         policy,
         64,
@@ -161,27 +161,27 @@ def test_budget_changes_mid_run_and_every_plan_respects_the_budget_in_force(poli
         auto_chunk_window=3,
     )
     assert sched.tuner.max_decode_batch == kv_decode_batch(64, 4, MAX_MODEL_LEN, 256) == 4
-    issued: list[tuple[int, int]] = []  # (budget in force, rows of the plan)
+    issued: list[tuple[int, int]] = []  # (budget in force, rows of the micro-batch)
     schedule = sched.schedule
 
     def recording_schedule(now: float):
         budget = sched.chunk_size
-        plan = schedule(now)
+        microbatch = schedule(now)
         assert sched.chunk_size == budget  # never changes inside schedule
-        if plan is not None:
-            issued.append((budget, plan.num_tokens))
-        return plan
+        if microbatch is not None:
+            issued.append((budget, microbatch.num_tokens))
+        return microbatch
 
     sched.schedule = recording_schedule  # type: ignore[method-assign]
     reqs = two_phase_requests()
-    result = simulate(sched, reqs, num_inflight)  # its Checker checks every plan too
+    result = simulate(sched, reqs, num_inflight)  # its Checker checks every micro-batch too
     for r in reqs:
         assert result.outputs[r.seq_id] == reference_output(r.seq_id, r.prompt, r.max_tokens)
     assert all(rows <= budget for budget, rows in issued)
     budgets = [budget for budget, _ in issued]
     assert len(set(budgets)) >= 2, budgets
     assert budgets[-1] > budgets[0]  # the long prompts pulled it up
-    long_chunks = {c.num_tokens for p in result.plans for c in p.chunks if c.seq_id >= 5}
+    long_chunks = {c.num_tokens for mb in result.microbatches for c in mb.chunks if c.seq_id >= 5}
     assert len(long_chunks) >= 2  # their prompts were cut by more than one budget
 
 

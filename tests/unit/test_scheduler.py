@@ -1,7 +1,7 @@
 """Scheduler policies driven by a pure-Python simulation (no torch, no model).
 
 The fake model reads each sequence's context back from a fake paged KV cache through the
-block table carried by the plan, and samples ``hash((seq_id, context)) % 1000``. So a
+block table carried by the micro-batch, and samples ``hash((seq_id, context)) % 1000``. So a
 request's tokens equal the unbatched reference only if every chunk carried the right
 tokens, the block tables were right and no block was reused while still live.
 """
@@ -16,7 +16,7 @@ from itertools import pairwise
 import pytest
 
 from sarathi_pp.config import SchedulerConfig
-from sarathi_pp.plan import MicroBatchPlan
+from sarathi_pp.microbatch import MicroBatch
 from sarathi_pp.sampling_params import SamplingParams
 from sarathi_pp.scheduler import create_scheduler, scheduler_names
 from sarathi_pp.scheduler.base import IDLE_DEPENDENCY, IDLE_NO_WORK, Scheduler
@@ -39,7 +39,7 @@ def reference_output(seq_id: int, prompt: list[int], max_tokens: int) -> list[in
 
 
 class FakeModel:
-    """Runs plans in issue order against a fake paged KV cache of (seq_id, pos, token)."""
+    """Runs micro-batches in issue order against a fake paged KV cache of (seq_id, pos, token)."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
@@ -48,16 +48,16 @@ class FakeModel:
     def _slot(self, block_table: tuple[int, ...], pos: int) -> int:
         return block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def execute(self, plan: MicroBatchPlan) -> dict[int, int]:
+    def execute(self, microbatch: MicroBatch) -> dict[int, int]:
         sampled = {}
-        for c in plan.chunks:
+        for c in microbatch.chunks:
             for i, token in enumerate(c.token_ids):  # write K/V first, as a stage does
                 self.slots[self._slot(c.block_table, c.start + i)] = (c.seq_id, c.start + i, token)
             context = []
             for pos in range(c.end):  # attend to the whole prefix through the block table
                 entry = self.slots[self._slot(c.block_table, pos)]
                 assert entry is not None and entry[:2] == (c.seq_id, pos), (
-                    f"{plan}: seq {c.seq_id} pos {pos} reads {entry}"
+                    f"{microbatch}: seq {c.seq_id} pos {pos} reads {entry}"
                 )
                 context.append(entry[2])
             if c.do_sample:
@@ -99,13 +99,13 @@ def make_seq(req: Request) -> Sequence:
 
 @dataclass
 class SimResult:
-    plans: list[MicroBatchPlan] = field(default_factory=list)
+    microbatches: list[MicroBatch] = field(default_factory=list)
     outputs: dict[int, list[int]] = field(default_factory=dict)
     idle_reasons: list[tuple[str | None, int]] = field(default_factory=list)  # (reason, inflight)
 
 
 class Checker:
-    """Invariants checked on every plan at the moment it is issued."""
+    """Invariants checked on every micro-batch at the moment it is issued."""
 
     def __init__(self, sched: Scheduler, reqs: list[Request]) -> None:
         self.sched = sched
@@ -120,38 +120,38 @@ class Checker:
     def before(self) -> None:
         self.ready_decodes = {s.seq_id for s in self.sched.running if s.is_decode}
         self.known = {s.seq_id: s.num_tokens for s in self.sched.seqs.values()}
-        self.decode_share = self.sched._decode_share()  # this plan's share of the decodes
+        self.decode_share = self.sched._decode_share()  # this micro-batch's share of the decodes
 
-    def check(self, plan: MicroBatchPlan, inflight: deque[MicroBatchPlan], now: float) -> None:
+    def check(self, microbatch: MicroBatch, inflight: deque[MicroBatch], now: float) -> None:
         cfg, sched = self.cfg, self.sched
-        ids = [c.seq_id for c in plan.chunks]
-        assert plan.chunks and len(ids) == len(set(ids)), plan
-        kinds = [c.is_prefill for c in plan.chunks]
-        assert kinds == sorted(kinds, reverse=True), f"layout: prefill rows first: {plan}"
+        ids = [c.seq_id for c in microbatch.chunks]
+        assert microbatch.chunks and len(ids) == len(set(ids)), microbatch
+        kinds = [c.is_prefill for c in microbatch.chunks]
+        assert kinds == sorted(kinds, reverse=True), f"layout: prefill rows first: {microbatch}"
         if cfg.policy in ("sarathi", "simple_chunking"):
-            assert plan.num_tokens <= sched.chunk_size, plan  # the budget in force
+            assert microbatch.num_tokens <= sched.chunk_size, microbatch  # the budget in force
         if cfg.policy in ("vllm", "simple_chunking"):
-            assert plan.kind != "hybrid", plan
+            assert microbatch.kind != "hybrid", microbatch
         if cfg.policy == "sarathi":
-            self._check_decodes_first(plan)
+            self._check_decodes_first(microbatch)
         if cfg.policy == "simple_chunking" and self.last_kind == "prefill":
-            assert plan.kind == "decode" or not self._decodes_could_run(plan), (
-                f"a decode step must follow a prefill step: {plan}"
+            assert microbatch.kind == "decode" or not self._decodes_could_run(microbatch), (
+                f"a decode step must follow a prefill step: {microbatch}"
             )
-        self.last_kind = plan.kind
+        self.last_kind = microbatch.kind
         if (
             cfg.tile_align
             and cfg.policy in ("sarathi", "simple_chunking")
-            and plan.num_prefill_tokens
+            and microbatch.num_prefill_tokens
         ):
-            rem = plan.num_tokens % cfg.tile_size
-            assert rem == 0 or plan.num_prefill_tokens <= rem, f"tile {cfg.tile_size}: {plan}"
+            rem = microbatch.num_tokens % cfg.tile_size
+            assert rem == 0 or microbatch.num_prefill_tokens <= rem, f"tile {cfg.tile_size}: {microbatch}"
         sampling_inflight = {c.seq_id for p in inflight for c in p.chunks if c.do_sample}
         held_inflight = {c.seq_id for p in inflight for c in p.chunks}
-        for c in plan.chunks:
+        for c in microbatch.chunks:
             seq = sched.seqs_by_id(c.seq_id)
             assert seq.metrics.arrival_time <= now, f"not arrived: {c} at {now}"
-            assert c.seq_id not in sampling_inflight, f"waits for its token: {c} in {plan}"
+            assert c.seq_id not in sampling_inflight, f"waits for its token: {c} in {microbatch}"
             if not c.is_prefill:
                 assert c.num_tokens == 1 and c.do_sample, c
                 assert c.seq_id not in held_inflight, f"decode twice in flight: {c}"
@@ -161,9 +161,9 @@ class Checker:
             self._check_contiguous(seq, c.seq_id, c.start, c.end)
         self._check_blocks()
 
-    def _decodes_could_run(self, plan: MicroBatchPlan) -> bool:
-        """Some decode that was ready is still running, not in ``plan`` and has a KV slot."""
-        in_plan = {c.seq_id for c in plan.chunks}
+    def _decodes_could_run(self, microbatch: MicroBatch) -> bool:
+        """Some decode that was ready is still running, not in ``microbatch`` and has a KV slot."""
+        in_plan = {c.seq_id for c in microbatch.chunks}
         for seq_id in self.ready_decodes - in_plan:
             seq = self.sched.seqs.get(seq_id)
             running = seq is not None and seq.status is SequenceStatus.RUNNING
@@ -171,13 +171,13 @@ class Checker:
                 return True
         return False
 
-    def _check_decodes_first(self, plan: MicroBatchPlan) -> None:
-        """A ready decode may be left out of a plan with prefill rows only when the budget
-        or the plan's share of the decodes was full, or when it had no KV block (then it was
+    def _check_decodes_first(self, microbatch: MicroBatch) -> None:
+        """A ready decode may be left out of a micro-batch with prefill rows only when the budget
+        or the micro-batch's share of the decodes was full, or when it had no KV block (then it was
         preempted or had no victim)."""
         limit = min(self.sched.chunk_size, self.decode_share)
-        if plan.num_prefill_tokens and plan.num_decode_tokens < limit:
-            assert not self._decodes_could_run(plan), f"a ready decode left out of {plan}"
+        if microbatch.num_prefill_tokens and microbatch.num_decode_tokens < limit:
+            assert not self._decodes_could_run(microbatch), f"a ready decode left out of {microbatch}"
 
     def _check_contiguous(self, seq: Sequence, seq_id: int, start: int, end: int) -> None:
         expected = self.issued_end.get(seq_id, 0)
@@ -196,7 +196,7 @@ class Checker:
 def simulate(
     sched: Scheduler, reqs: list[Request], num_inflight: int, max_steps: int = 20_000
 ) -> SimResult:
-    """An engine-like loop: up to ``num_inflight`` plans outstanding, done in issue order;
+    """An engine-like loop: up to ``num_inflight`` micro-batches outstanding, done in issue order;
     a request finishes at ``max_tokens`` (FINISHED_LENGTH); one time unit per step."""
     bm = sched.block_manager
     model = FakeModel(bm.num_blocks, bm.block_size)
@@ -205,24 +205,24 @@ def simulate(
         sched.add(seq)
     checker = Checker(sched, reqs)
     result = SimResult()
-    inflight: deque[MicroBatchPlan] = deque()
+    inflight: deque[MicroBatch] = deque()
     now = 0.0
     for _ in range(max_steps):
         if not (sched.has_unfinished() or inflight):
             break
         while len(inflight) < num_inflight:
             checker.before()
-            plan = sched.schedule(now)
-            if plan is None:
+            microbatch = sched.schedule(now)
+            if microbatch is None:
                 result.idle_reasons.append((sched.idle_reason, len(inflight)))
                 break
             assert sched.idle_reason is None
-            checker.check(plan, inflight, now)
-            inflight.append(plan)
-            result.plans.append(plan)
+            checker.check(microbatch, inflight, now)
+            inflight.append(microbatch)
+            result.microbatches.append(microbatch)
         if inflight:
-            plan = inflight.popleft()
-            for seq in sched.on_step_done(plan, model.execute(plan), now):
+            microbatch = inflight.popleft()
+            for seq in sched.on_step_done(microbatch, model.execute(microbatch), now):
                 if seq.num_output_tokens >= seq.params.max_tokens:
                     sched.finish(seq, SequenceStatus.FINISHED_LENGTH, now)
             now += 1.0
@@ -299,23 +299,23 @@ def test_many_seeds_small_cache_pipelined(policy):
 # --- policy shapes ---------------------------------------------------------------------
 
 
-def _run_kinds(policy: str, **kw) -> list[MicroBatchPlan]:
+def _run_kinds(policy: str, **kw) -> list[MicroBatch]:
     sched = make_scheduler(policy, 256, 4, **kw)
     reqs = [Request(i, list(range(1, 30)), 8, arrival_time=float(2 * i)) for i in range(6)]
-    return simulate(sched, reqs, num_inflight=1).plans
+    return simulate(sched, reqs, num_inflight=1).microbatches
 
 
 def test_sarathi_piggybacks_decodes_on_prefill_chunks():
-    plans = _run_kinds("sarathi", chunk_size=16, tile_align=False)
-    kinds = [p.kind for p in plans]
+    microbatches = _run_kinds("sarathi", chunk_size=16, tile_align=False)
+    kinds = [p.kind for p in microbatches]
     assert "hybrid" in kinds
     # A prompt of 29 tokens never runs in one micro-batch.
-    assert all(p.num_prefill_tokens <= 16 for p in plans)
+    assert all(p.num_prefill_tokens <= 16 for p in microbatches)
 
 
 def test_simple_chunking_alternates_prefill_and_decode_steps():
-    plans = _run_kinds("simple_chunking", chunk_size=16, tile_align=False)
-    kinds = [p.kind for p in plans]
+    microbatches = _run_kinds("simple_chunking", chunk_size=16, tile_align=False)
+    kinds = [p.kind for p in microbatches]
     assert "hybrid" not in kinds and "prefill" in kinds and "decode" in kinds
     # Staggered arrivals: prefill and decode steps interleave (the Checker asserts the
     # strict alternation while decodes are ready).
@@ -324,9 +324,9 @@ def test_simple_chunking_alternates_prefill_and_decode_steps():
 
 
 def test_vllm_runs_whole_prompts_in_prefill_only_steps():
-    plans = _run_kinds("vllm", chunk_size=16)
-    assert {p.kind for p in plans} == {"prefill", "decode"}
-    for p in plans:
+    microbatches = _run_kinds("vllm", chunk_size=16)
+    assert {p.kind for p in microbatches} == {"prefill", "decode"}
+    for p in microbatches:
         for c in p.chunks:
             if c.is_prefill:
                 assert c.start == 0 and c.num_tokens == 29 and c.do_sample
@@ -335,15 +335,15 @@ def test_vllm_runs_whole_prompts_in_prefill_only_steps():
 def test_vllm_respects_max_num_batched_tokens():
     sched = make_scheduler("vllm", 256, 4, max_num_batched_tokens=40)
     reqs = [Request(i, list(range(20)), 2) for i in range(5)]
-    plans = simulate(sched, reqs, num_inflight=1).plans
-    first = plans[0]
+    microbatches = simulate(sched, reqs, num_inflight=1).microbatches
+    first = microbatches[0]
     assert first.kind == "prefill" and first.num_prefill_tokens == 40  # two prompts, not three
 
 
 def test_orca_batches_decodes_with_whole_prompts():
-    plans = _run_kinds("orca", chunk_size=16)
-    assert "hybrid" in [p.kind for p in plans]
-    for p in plans:
+    microbatches = _run_kinds("orca", chunk_size=16)
+    assert "hybrid" in [p.kind for p in microbatches]
+    for p in microbatches:
         for c in p.chunks:
             if c.is_prefill:
                 assert c.start == 0 and c.num_tokens == 29
@@ -353,27 +353,27 @@ def test_sarathi_fills_budget_with_decodes_then_prefill_chunk():
     sched = make_scheduler("sarathi", 256, 4, chunk_size=10, tile_align=False)
     for i in range(3):
         sched.add(make_seq(Request(i, [1, 2, 3], 50)))
-    plan = sched.schedule(0.0)
-    assert [(c.seq_id, c.start, c.end) for c in plan.chunks] == [(0, 0, 3), (1, 0, 3), (2, 0, 3)]
-    sched.on_step_done(plan, {0: 7, 1: 7, 2: 7}, 1.0)
+    microbatch = sched.schedule(0.0)
+    assert [(c.seq_id, c.start, c.end) for c in microbatch.chunks] == [(0, 0, 3), (1, 0, 3), (2, 0, 3)]
+    sched.on_step_done(microbatch, {0: 7, 1: 7, 2: 7}, 1.0)
     sched.add(make_seq(Request(3, list(range(20)), 5)))
-    plan = sched.schedule(1.0)
+    microbatch = sched.schedule(1.0)
     # Three decodes first, then 7 prefill tokens of the new prompt: 10 rows.
-    assert plan.num_decode_tokens == 3 and plan.num_prefill_tokens == 7
-    assert plan.chunks[0].seq_id == 3 and plan.chunks[0].end == 7
-    assert plan.kind == "hybrid"
+    assert microbatch.num_decode_tokens == 3 and microbatch.num_prefill_tokens == 7
+    assert microbatch.chunks[0].seq_id == 3 and microbatch.chunks[0].end == 7
+    assert microbatch.kind == "hybrid"
 
 
 def test_sarathi_tile_align_trims_prefill_not_to_nothing():
     sched = make_scheduler("sarathi", 256, 4, chunk_size=30, tile_align=True, tile_size=8)
     for i in range(3):
         sched.add(make_seq(Request(i, [1, 2, 3], 50)))
-    plan = sched.schedule(0.0)  # 9 prefill rows -> trimmed to 8
-    assert plan.num_tokens == 8 and [c.num_tokens for c in plan.chunks] == [3, 3, 2]
-    sched.on_step_done(plan, {0: 5, 1: 5}, 1.0)
-    plan = sched.schedule(1.0)  # 2 decodes + 1 prefill token: 3 % 8 == 3 >= 1, not trimmed
-    assert plan.num_decode_tokens == 2 and plan.num_prefill_tokens == 1
-    assert plan.num_tokens == 3
+    microbatch = sched.schedule(0.0)  # 9 prefill rows -> trimmed to 8
+    assert microbatch.num_tokens == 8 and [c.num_tokens for c in microbatch.chunks] == [3, 3, 2]
+    sched.on_step_done(microbatch, {0: 5, 1: 5}, 1.0)
+    microbatch = sched.schedule(1.0)  # 2 decodes + 1 prefill token: 3 % 8 == 3 >= 1, not trimmed
+    assert microbatch.num_decode_tokens == 2 and microbatch.num_prefill_tokens == 1
+    assert microbatch.num_tokens == 3
 
 
 def test_sarathi_decodes_rotate_when_more_than_budget():
@@ -387,13 +387,13 @@ def test_sarathi_decodes_rotate_when_more_than_budget():
         sched.on_step_done(p, {i: 1 for i in p.sampled_seq_ids}, 0.0)
     waits = {i: 0 for i in range(7)}
     for step in range(1, 40):
-        plan = sched.schedule(float(step))
-        assert plan.kind == "decode" and plan.num_tokens == 3
-        ids = {c.seq_id for c in plan.chunks}
+        microbatch = sched.schedule(float(step))
+        assert microbatch.kind == "decode" and microbatch.num_tokens == 3
+        ids = {c.seq_id for c in microbatch.chunks}
         for i in waits:
             waits[i] = 0 if i in ids else waits[i] + 1
             assert waits[i] <= 2, f"seq {i} starved at step {step}"  # 7 seqs / 3 rows
-        sched.on_step_done(plan, {i: 1 for i in plan.sampled_seq_ids}, float(step))
+        sched.on_step_done(microbatch, {i: 1 for i in microbatch.sampled_seq_ids}, float(step))
 
 
 def test_sarathi_decodes_fill_budget_before_new_prompts():
@@ -412,8 +412,8 @@ def test_max_num_seqs_limits_running():
         sched = make_scheduler(policy, 256, 4, chunk_size=64, max_num_seqs=2, tile_align=False)
         for i in range(5):
             sched.add(make_seq(Request(i, [1, 2, 3, 4], 5)))
-        plan = sched.schedule(0.0)
-        assert len(sched.running) == 2 and {c.seq_id for c in plan.chunks} == {0, 1}, policy
+        microbatch = sched.schedule(0.0)
+        assert len(sched.running) == 2 and {c.seq_id for c in microbatch.chunks} == {0, 1}, policy
 
 
 # --- arrivals and idle reasons ------------------------------------------------------------
@@ -425,8 +425,8 @@ def test_future_arrivals_are_not_scheduled(policy):
     sched.add(make_seq(Request(0, [1, 2, 3], 2, arrival_time=5.0)))
     assert sched.schedule(0.0) is None and sched.idle_reason == IDLE_NO_WORK
     assert sched.schedule(4.999) is None and sched.idle_reason == IDLE_NO_WORK
-    plan = sched.schedule(5.0)
-    assert plan is not None and plan.chunks[0].seq_id == 0 and sched.idle_reason is None
+    microbatch = sched.schedule(5.0)
+    assert microbatch is not None and microbatch.chunks[0].seq_id == 0 and sched.idle_reason is None
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -450,9 +450,9 @@ def test_prefill_chunks_pipeline_while_previous_in_flight():
     """The next chunk of a prompt is issued while the previous one is in flight."""
     sched = make_scheduler("sarathi", 64, 4, chunk_size=8, tile_align=False)
     sched.add(make_seq(Request(0, list(range(20)), 2)))
-    plans = [sched.schedule(0.0) for _ in range(3)]
-    assert [(p.chunks[0].start, p.chunks[0].end) for p in plans] == [(0, 8), (8, 16), (16, 20)]
-    assert [p.sampled_seq_ids for p in plans] == [[], [], [0]]
+    microbatches = [sched.schedule(0.0) for _ in range(3)]
+    assert [(p.chunks[0].start, p.chunks[0].end) for p in microbatches] == [(0, 8), (8, 16), (16, 20)]
+    assert [p.sampled_seq_ids for p in microbatches] == [[], [], [0]]
     assert sched.schedule(0.0) is None and sched.idle_reason == IDLE_DEPENDENCY
 
 
@@ -460,19 +460,19 @@ def test_prefill_chunks_pipeline_while_previous_in_flight():
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_abort_while_in_flight_frees_blocks_after_plan_done(policy):
+def test_abort_while_in_flight_frees_blocks_after_microbatch_done(policy):
     sched = make_scheduler(policy, 32, 4, chunk_size=64, tile_align=False)
     sched.add(make_seq(Request(0, list(range(10)), 5)))
     sched.add(make_seq(Request(1, list(range(6)), 5)))
-    plan = sched.schedule(0.0)
+    microbatch = sched.schedule(0.0)
     seq0 = sched.seqs_by_id(0)
     held = list(seq0.block_table)
     assert len(held) == 3
     sched.finish(seq0, SequenceStatus.FINISHED_ABORTED, 0.5, "abort")
     assert seq0.status is SequenceStatus.FINISHED_ABORTED and seq0.block_table == held
     assert sched.block_manager.num_free_blocks == 32 - 3 - 2
-    assert 0 in sched.seqs  # still known to the plan in flight
-    updated = sched.on_step_done(plan, {0: 11, 1: 12}, 1.0)
+    assert 0 in sched.seqs  # still known to the micro-batch in flight
+    updated = sched.on_step_done(microbatch, {0: 11, 1: 12}, 1.0)
     assert [s.seq_id for s in updated] == [1]  # no token for the aborted one
     assert seq0.output_token_ids == [] and seq0.block_table == []
     assert 0 not in sched.seqs and sched.block_manager.num_free_blocks == 32 - 2
@@ -486,8 +486,8 @@ def test_finish_of_waiting_and_idle_sequences_frees_at_once():
     sched = make_scheduler("sarathi", 32, 4, chunk_size=4, tile_align=False)
     sched.add(make_seq(Request(0, list(range(10)), 5)))
     sched.add(make_seq(Request(1, list(range(10)), 5)))
-    plan = sched.schedule(0.0)  # 4 tokens of seq 0
-    sched.on_step_done(plan, {}, 1.0)
+    microbatch = sched.schedule(0.0)  # 4 tokens of seq 0
+    sched.on_step_done(microbatch, {}, 1.0)
     s0, s1 = sched.seqs_by_id(0), sched.seqs_by_id(1)
     assert s0.block_table and s0.num_inflight == 0
     sched.finish(s0, SequenceStatus.FINISHED_ABORTED, 1.0)
@@ -520,12 +520,12 @@ def test_preemption_picks_most_recent_not_in_flight():
     sched = make_scheduler("vllm", 4, 4, chunk_size=64)
     for i in range(3):
         sched.add(make_seq(Request(i, [1, 2, 3, 4], 5)))
-    plan = sched.schedule(0.0)  # three whole prompts: 3 blocks, 1 free
-    assert plan.kind == "prefill" and sched.block_manager.num_free_blocks == 1
-    sched.on_step_done(plan, {0: 1, 1: 1, 2: 1}, 1.0)
-    plan = sched.schedule(1.0)  # each decode needs a 2nd block: seq 0 gets the free one,
+    microbatch = sched.schedule(0.0)  # three whole prompts: 3 blocks, 1 free
+    assert microbatch.kind == "prefill" and sched.block_manager.num_free_blocks == 1
+    sched.on_step_done(microbatch, {0: 1, 1: 1, 2: 1}, 1.0)
+    microbatch = sched.schedule(1.0)  # each decode needs a 2nd block: seq 0 gets the free one,
     # seq 1 preempts seq 2 (most recent) and takes its block; seq 2 is not scheduled.
-    assert sorted(c.seq_id for c in plan.chunks) == [0, 1]
+    assert sorted(c.seq_id for c in microbatch.chunks) == [0, 1]
     s2 = sched.seqs_by_id(2)
     assert s2.status is SequenceStatus.WAITING and s2.num_scheduled_tokens == 0
     assert s2.output_token_ids == [1] and s2.block_table == [] and sched.waiting[0] is s2
@@ -539,7 +539,7 @@ def test_no_preemption_of_sequences_in_flight():
     p0 = sched.schedule(0.0)
     sched.on_step_done(p0, {0: 1, 1: 1}, 1.0)
     s0, s1 = sched.seqs_by_id(0), sched.seqs_by_id(1)
-    s1.num_inflight += 1  # pretend seq 1 is held by another plan in flight
+    s1.num_inflight += 1  # pretend seq 1 is held by another micro-batch in flight
     p1 = sched.schedule(1.0)  # seq 0 takes the only free block; seq 1 cannot preempt anyone
     assert [c.seq_id for c in p1.chunks] == [0]
     assert s1.status is SequenceStatus.RUNNING and sched.num_preemptions == 0
@@ -565,9 +565,9 @@ def test_most_recent_decode_preempts_itself_not_an_older_one():
     sched.add(make_seq(Request(2, [1] * 7, 50)))  # never fits beside them; stays waiting
     s0, s1 = sched.seqs_by_id(0), sched.seqs_by_id(1)
     for step in range(12):
-        plan = sched.schedule(float(step))
-        sched.on_step_done(plan, {i: 1 for i in plan.sampled_seq_ids}, float(step))
-        assert s0.metrics.num_preemptions == 0, f"older seq preempted at step {step}: {plan}"
+        microbatch = sched.schedule(float(step))
+        sched.on_step_done(microbatch, {i: 1 for i in microbatch.sampled_seq_ids}, float(step))
+        assert s0.metrics.num_preemptions == 0, f"older seq preempted at step {step}: {microbatch}"
     assert s1.metrics.num_preemptions >= 1 and s0.num_output_tokens == 12
 
 
@@ -575,24 +575,24 @@ def test_vllm_newest_decode_without_block_is_preempted_not_left_holding():
     sched = make_scheduler("vllm", 2, 4, chunk_size=64)
     sched.add(make_seq(Request(0, [1, 2], 5)))
     sched.add(make_seq(Request(1, [1, 2, 3, 4], 5)))
-    plan = sched.schedule(0.0)
-    sched.on_step_done(plan, {0: 1, 1: 1}, 1.0)
-    plan = sched.schedule(1.0)  # seq 0 fits its block; seq 1 needs a 2nd one, none is free
+    microbatch = sched.schedule(0.0)
+    sched.on_step_done(microbatch, {0: 1, 1: 1}, 1.0)
+    microbatch = sched.schedule(1.0)  # seq 0 fits its block; seq 1 needs a 2nd one, none is free
     s0, s1 = sched.seqs_by_id(0), sched.seqs_by_id(1)
-    assert [c.seq_id for c in plan.chunks] == [0]
+    assert [c.seq_id for c in microbatch.chunks] == [0]
     assert s1.status is SequenceStatus.WAITING and s1.block_table == []
     assert s0.metrics.num_preemptions == 0 and sched.block_manager.num_free_blocks == 1
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_decodes_spread_over_the_microbatches_in_flight(policy):
-    """With K plans in flight, a plan takes at most ceil(running / K) decodes, so the K
+    """With K micro-batches in flight, a micro-batch takes at most ceil(running / K) decodes, so the K
     micro-batches stay alike instead of the first holding every decode."""
     k = 3
     sched = make_scheduler(policy, 512, 4, k, chunk_size=64, tile_align=False)
     reqs = [Request(i, list(range(1, 9)), 20) for i in range(12)]
     result = simulate(sched, reqs, num_inflight=k)
-    decodes = [p.num_decode_tokens for p in result.plans]
+    decodes = [p.num_decode_tokens for p in result.microbatches]
     assert max(decodes) <= -(-12 // k)
-    # ...and in steady state (all 12 decoding) each plan carries about a third of them.
+    # ...and in steady state (all 12 decoding) each micro-batch carries about a third of them.
     assert decodes.count(4) >= 20, decodes

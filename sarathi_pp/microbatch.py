@@ -1,7 +1,7 @@
-"""The scheduler's output: one micro-batch plan, a small immutable value (no tensors).
+"""The scheduler's output: one micro-batch, a small immutable value (no tensors).
 
-A plan says which token range of which sequence runs in the next micro-batch. Every
-pipeline stage receives the same plan and turns it into tensors on its own; the rows of
+A micro-batch says which token range of which sequence runs next on the pipeline. Every
+pipeline stage receives the same micro-batch and turns it into tensors on its own; the rows of
 the flat batch follow the order of ``chunks``: prefill chunks first, then decodes.
 """
 
@@ -45,7 +45,7 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True, slots=True)
-class MicroBatchPlan:
+class MicroBatch:
     microbatch_id: int
     chunks: tuple[ScheduledChunk, ...]
 

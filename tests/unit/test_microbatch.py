@@ -1,4 +1,4 @@
-"""MicroBatchPlan / ScheduledChunk: small immutable values with a compact repr."""
+"""MicroBatch / ScheduledChunk: small immutable values with a compact repr."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from sarathi_pp.plan import MicroBatchPlan, ScheduledChunk
+from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
 from sarathi_pp.sampling_params import SamplingParams
 
 P = SamplingParams(temperature=0.0)
@@ -39,31 +39,31 @@ def test_chunk_sizes_and_repr():
         ((_chunk(0, 0, 5, True, True), _chunk(1, 4, 1, False, True)), "hybrid", 5, 1),
     ],
 )
-def test_plan_kind_and_counts(chunks, kind, num_prefill, num_decode):
-    plan = MicroBatchPlan(4, chunks)
-    assert plan.kind == kind
-    assert plan.num_prefill_tokens == num_prefill and plan.num_decode_tokens == num_decode
-    assert plan.num_tokens == num_prefill + num_decode
+def test_microbatch_kind_and_counts(chunks, kind, num_prefill, num_decode):
+    microbatch = MicroBatch(4, chunks)
+    assert microbatch.kind == kind
+    assert microbatch.num_prefill_tokens == num_prefill and microbatch.num_decode_tokens == num_decode
+    assert microbatch.num_tokens == num_prefill + num_decode
 
 
-def test_plan_repr_and_sampled_ids():
-    plan = MicroBatchPlan(
+def test_microbatch_repr_and_sampled_ids():
+    microbatch = MicroBatch(
         7, (_chunk(2, 0, 6, True), _chunk(3, 6, 2, True, True), _chunk(1, 9, 1, False, True))
     )
-    assert repr(plan) == "MB7<hybrid P=8 D=1: P2[0:6] P3[6:8]* D1[9:10]*>"
-    assert plan.sampled_seq_ids == [3, 1]
+    assert repr(microbatch) == "MB7<hybrid P=8 D=1: P2[0:6] P3[6:8]* D1[9:10]*>"
+    assert microbatch.sampled_seq_ids == [3, 1]
 
 
-def test_plan_rejects_prefill_after_decode():
+def test_microbatch_rejects_prefill_after_decode():
     with pytest.raises(AssertionError, match="prefill chunk after a decode"):
-        MicroBatchPlan(0, (_chunk(1, 9, 1, False, True), _chunk(0, 0, 5, True)))
+        MicroBatch(0, (_chunk(1, 9, 1, False, True), _chunk(0, 0, 5, True)))
 
 
-def test_plan_and_chunk_are_frozen():
+def test_microbatch_and_chunk_are_frozen():
     c = _chunk(0, 0, 1, True)
-    plan = MicroBatchPlan(0, (c,))
+    microbatch = MicroBatch(0, (c,))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plan.microbatch_id = 1  # type: ignore[misc]
+        microbatch.microbatch_id = 1  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.start = 3  # type: ignore[misc]
-    assert hash(plan) == hash(MicroBatchPlan(0, (_chunk(0, 0, 1, True),)))
+    assert hash(microbatch) == hash(MicroBatch(0, (_chunk(0, 0, 1, True),)))
