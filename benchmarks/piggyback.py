@@ -49,7 +49,7 @@ from common import (  # noqa: E402
 
 from sarathi_pp import LLM, SamplingParams  # noqa: E402
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk  # noqa: E402
-from sarathi_pp.stages.runner import StageWorker  # noqa: E402
+from sarathi_pp.stages.worker import StageWorker  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 QUICK = {

@@ -62,9 +62,9 @@ from common import (  # noqa: E402
 from sarathi_pp import LLM, SamplingParams  # noqa: E402
 from sarathi_pp.bench.runner import request_params  # noqa: E402
 from sarathi_pp.bench.workload import BenchRequest, Workload  # noqa: E402
+from sarathi_pp.microbatch import MicroBatch  # noqa: E402
 from sarathi_pp.model_spec import ModelSpec  # noqa: E402
 from sarathi_pp.outputs import RequestOutput  # noqa: E402
-from sarathi_pp.microbatch import MicroBatch  # noqa: E402
 
 WORKLOAD = "configs/workloads/mixed.yaml"
 QUICK_WORKLOAD = "configs/workloads/short.yaml"

@@ -2,6 +2,6 @@
 
 import sys
 
-from sarathi_pp.launch.cli import main
+from sarathi_pp.cli import main
 
 sys.exit(main())

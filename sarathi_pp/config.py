@@ -21,6 +21,9 @@ GiB = 1 << 30
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("auto", "uniproc", "ray", "torchrun")
+# The scheduler policies (``scheduler/registry.py`` maps each to its class).
+SCHEDULER_POLICIES = ("sarathi", "vllm", "orca", "simple_chunking")
+BUILTIN_PREFIX = "builtin:"  # model.path of a model the project builds itself
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -108,11 +111,9 @@ class SchedulerConfig:
     """Token cap of one prefill micro-batch for vllm/orca; ``None`` = ``max_model_len``."""
 
     def __post_init__(self) -> None:
-        from sarathi_pp.scheduler.registry import scheduler_names
-
-        if self.policy not in scheduler_names():
+        if self.policy not in SCHEDULER_POLICIES:
             raise ValueError(
-                f"unknown scheduler {self.policy!r}; valid: {', '.join(scheduler_names())}"
+                f"unknown scheduler {self.policy!r}; valid: {', '.join(SCHEDULER_POLICIES)}"
             )
         if self.chunk_size != "auto":
             try:

@@ -8,7 +8,6 @@ from typing import Any
 from sarathi_pp.config import EngineConfig, load_config, make_config
 from sarathi_pp.engine import LLMEngine
 from sarathi_pp.outputs import RequestOutput
-from sarathi_pp.run_dir import write_requests_csv
 from sarathi_pp.sampling_params import SamplingParams
 
 # A prompt: text, {"prompt_token_ids": [...]} (vLLM's TokensPrompt) or a list of token ids.
@@ -28,7 +27,6 @@ class LLM:
         self.config: EngineConfig = config
         self.engine = LLMEngine(config)
         self._request_counter = 0
-        self._finished: list[RequestOutput] = []  # all runs of this LLM, for requests.csv
 
     @classmethod
     def from_config(cls, path: str | Path, **overrides: Any) -> LLM:
@@ -70,10 +68,7 @@ class LLM:
             self.engine.add_request(request_id, text, sp, prompt_token_ids=token_ids)
             ids.append(request_id)
         outputs = self._run(ids, use_tqdm)
-        if self.engine.run_dir is not None:
-            self._finished += outputs
-            write_requests_csv(self.engine.run_dir, self._finished)
-            self.engine.write_run_records()
+        self.engine.write_run_records()  # with a run dir: every request so far, the report
         return outputs
 
     def _params_per_prompt(self, sp, n: int) -> list[SamplingParams]:

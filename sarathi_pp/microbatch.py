@@ -7,8 +7,9 @@ the flat batch follow the order of ``chunks``: prefill chunks first, then decode
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from sarathi_pp.events import StageEvent
 from sarathi_pp.sampling_params import SamplingParams
 
 
@@ -88,3 +89,13 @@ class MicroBatch:
             f"MB{self.microbatch_id}<{self.kind} P={self.num_prefill_tokens} "
             f"D={self.num_decode_tokens}: {body}>"
         )
+
+
+@dataclass
+class StepResult:
+    """What came back for one micro-batch: produced by the last stage, relayed by the
+    executor, applied by the engine."""
+
+    sampled: dict[int, int] = field(default_factory=dict)  # seq_id -> token id
+    errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why it failed
+    events: list[StageEvent] = field(default_factory=list)  # each stage's timing of it

@@ -5,6 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def tpot(e2e: float | None, ttft: float | None, num_output_tokens: int) -> float | None:
+    """Time per output token after the first: ``(e2e - TTFT) / (output tokens - 1)``;
+    ``None`` for one output token or an unfinished request."""
+    if num_output_tokens < 2 or e2e is None or ttft is None:
+        return None
+    return (e2e - ttft) / (num_output_tokens - 1)
+
+
 @dataclass
 class RequestMetrics:
     """Wall-clock times (``time.monotonic()`` seconds, one clock per engine) of one request."""

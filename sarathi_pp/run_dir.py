@@ -1,46 +1,131 @@
-"""A run's records on disk: ``config.yaml`` (resolved) and ``requests.csv`` (per request).
+"""The run dir: every file name of a run's records, in one place.
 
-The pipeline-bubble report adds ``events.jsonl`` and the report files beside these.
+A run dir (``RunDir``), written by the engine's recorder and read by ``sarathi-pp report``::
+
+    config.yaml     the config in force, resolved (dtype, block size, max_model_len)
+    events.jsonl    the event log (``sarathi_pp/events.py`` has the schema)
+    requests.csv    one row per request (``REQUEST_COLUMNS``)
+    summary.json    the report: bubbles per stage and class, request metrics
+    trace.json      Chrome trace format (Perfetto)
+    timeline.png    the bubble timeline
+    profile.csv     ``sarathi-pp profile --run-dir``: the stage's timings
+
+A benchmark dir (``BenchDir``) of ``sarathi-pp bench``::
+
+    <scheduler>/                      a run dir per scheduler
+    <scheduler>/capacity.json         capacity mode: the search and its probes
+    <scheduler>/probes/rate-<r>/      capacity mode: one run dir per probe
+    peer-<name>/                      the peer's requests.csv and summary.json
+    comparison.json, tbt_cdf.png, ttft_cdf.png
 """
 
 from __future__ import annotations
 
 import csv
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from sarathi_pp.config import EngineConfig
-from sarathi_pp.outputs import RequestOutput
+from sarathi_pp.outputs import RequestOutput, tpot
 
+CONFIG_FILE = "config.yaml"
+EVENTS_FILE = "events.jsonl"
+REQUESTS_FILE = "requests.csv"
+SUMMARY_FILE = "summary.json"
+TRACE_FILE = "trace.json"
+TIMELINE_FILE = "timeline.png"
+PROFILE_FILE = "profile.csv"
+COMPARISON_FILE = "comparison.json"
+CAPACITY_FILE = "capacity.json"
+PROBES_DIR = "probes"
+TBT_CDF_FILE = "tbt_cdf.png"
+TTFT_CDF_FILE = "ttft_cdf.png"
+
+# times in seconds; *_s instants are relative to the run's first arrival; token_times:
+# every generated token's time after arrival, space-separated
 REQUEST_COLUMNS = (
     "request_id", "num_prompt_tokens", "num_output_tokens", "finish_reason", "error",
     "arrival_s", "first_scheduled_s", "first_token_s", "finished_s",
     "ttft_s", "scheduling_delay_s", "e2e_s", "tbt_mean_s", "tbt_max_s", "tpot_s",
     "num_preemptions", "token_times",
-)  # token_times: every generated token's time after arrival, space-separated  # times in seconds; *_s instants are relative to the run's first arrival
+)  # fmt: skip
 
 
-def prepare_run_dir(path: str | Path, overwrite: bool) -> Path:
+def prepare_dir(path: str | Path, overwrite: bool) -> Path:
+    """Create ``path``; refuse a non-empty one unless ``overwrite``, or a file."""
     d = Path(path)
     if d.exists() and not d.is_dir():
         raise ValueError(f"run dir {str(d)!r} exists and is not a directory")
     if d.is_dir() and any(d.iterdir()) and not overwrite:
-        raise ValueError(f"run dir {str(d)!r} is not empty; pass overwrite=True (--overwrite) to reuse it")
+        raise ValueError(
+            f"run dir {str(d)!r} is not empty; pass overwrite=True (--overwrite) to reuse it"
+        )
     d.mkdir(parents=True, exist_ok=True)
     return d
 
 
-def write_config(d: Path, config: EngineConfig) -> None:
-    (d / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @classmethod
+    def prepare(cls, path: str | Path, overwrite: bool = False) -> RunDir:
+        return cls(prepare_dir(path, overwrite))
+
+    config = property(lambda self: self.path / CONFIG_FILE)
+    events = property(lambda self: self.path / EVENTS_FILE)
+    requests = property(lambda self: self.path / REQUESTS_FILE)
+    summary = property(lambda self: self.path / SUMMARY_FILE)
+    trace = property(lambda self: self.path / TRACE_FILE)
+    timeline = property(lambda self: self.path / TIMELINE_FILE)
+    profile = property(lambda self: self.path / PROFILE_FILE)
+    capacity = property(lambda self: self.path / CAPACITY_FILE)
+
+    def probe(self, rate: float) -> Path:
+        """Capacity mode: the run dir of the probe at ``rate`` requests/s."""
+        return self.path / PROBES_DIR / f"rate-{rate:.4g}"
+
+    def write_config(self, config: EngineConfig) -> None:
+        self.config.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+    def write_requests(self, outputs: list[RequestOutput]) -> None:
+        t0 = min((o.metrics.arrival_time for o in outputs), default=0.0)
+        with open(self.requests, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=REQUEST_COLUMNS)
+            w.writeheader()
+            for out in outputs:
+                w.writerow({k: ("" if v is None else v) for k, v in request_row(out, t0).items()})
 
 
-def _row(out: RequestOutput, t0: float) -> dict:
+@dataclass(frozen=True)
+class BenchDir:
+    path: Path
+
+    @classmethod
+    def prepare(cls, path: str | Path, overwrite: bool = False) -> BenchDir:
+        return cls(prepare_dir(path, overwrite))
+
+    comparison = property(lambda self: self.path / COMPARISON_FILE)
+    tbt_cdf = property(lambda self: self.path / TBT_CDF_FILE)
+    ttft_cdf = property(lambda self: self.path / TTFT_CDF_FILE)
+
+    def run(self, name: str) -> RunDir:
+        """A scheduler's run dir, or a peer's (``peer_name``)."""
+        return RunDir(self.path / name)
+
+    @staticmethod
+    def peer_name(peer: str) -> str:
+        return f"peer-{peer}"
+
+
+def request_row(out: RequestOutput, t0: float) -> dict:
+    """One ``requests.csv`` row; instants relative to ``t0`` (the first arrival)."""
     m = out.metrics
     rel = lambda t: None if t is None else t - t0  # noqa: E731
     tbt = m.tbt
     n_out = len(out.outputs[0].token_ids)
-    tpot = (m.e2e_latency - m.ttft) / (n_out - 1) if n_out > 1 and m.ttft is not None and m.e2e_latency is not None else None
     return {
         "request_id": out.request_id,
         "num_prompt_tokens": len(out.prompt_token_ids),
@@ -56,16 +141,7 @@ def _row(out: RequestOutput, t0: float) -> dict:
         "e2e_s": m.e2e_latency,
         "tbt_mean_s": sum(tbt) / len(tbt) if tbt else None,
         "tbt_max_s": max(tbt) if tbt else None,
-        "tpot_s": tpot,
+        "tpot_s": tpot(m.e2e_latency, m.ttft, n_out),
         "num_preemptions": m.num_preemptions,
         "token_times": " ".join(f"{t - m.arrival_time:.6f}" for t in m.token_times),
     }
-
-
-def write_requests_csv(d: Path, outputs: list[RequestOutput]) -> None:
-    t0 = min((o.metrics.arrival_time for o in outputs), default=0.0)
-    with open(d / "requests.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=REQUEST_COLUMNS)
-        w.writeheader()
-        for out in outputs:
-            w.writerow({k: ("" if v is None else v) for k, v in _row(out, t0).items()})

@@ -9,9 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sarathi_pp.report.request_metrics import RequestRow, tbt_pool
-
-TBT_CDF_FILE = "tbt_cdf.png"
-TTFT_CDF_FILE = "ttft_cdf.png"
+from sarathi_pp.run_dir import TBT_CDF_FILE, TTFT_CDF_FILE
 
 
 def metric_values(rows: list[RequestRow]) -> dict[str, list[float]]:

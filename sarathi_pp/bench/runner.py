@@ -21,7 +21,6 @@ from typing import Any
 from sarathi_pp.bench.workload import BenchRequest
 from sarathi_pp.engine import LLMEngine
 from sarathi_pp.outputs import RequestOutput
-from sarathi_pp.run_dir import write_requests_csv
 from sarathi_pp.sampling_params import SamplingParams
 
 # Longest sleep while waiting for the next arrival: the loop stays responsive to Ctrl-C.
@@ -80,8 +79,7 @@ def serve_run(
     """``serve`` with the run's records (config, events, requests.csv, report) in
     ``run_dir`` (an empty or new folder); the run's summary (``summary.json``)."""
     engine.start_run(run_dir, overwrite=True)
-    outputs = serve(engine, requests, progress)
-    write_requests_csv(run_dir, outputs)
+    serve(engine, requests, progress)
     summary = engine.write_run_records()
     assert summary is not None  # start_run opened the records
     return summary

@@ -1,18 +1,13 @@
 """The serving benchmark: one workload through several schedulers (and a peer), one run
 dir each, then ``comparison.json``, the CDF plots and the table.
 
-Layout of ``--run-dir DIR``::
-
-    DIR/<scheduler>/            a run dir per scheduler (``sarathi-pp report`` reads it)
-    DIR/<scheduler>/probes/rate-<r>/   capacity mode: one run dir per probe
-    DIR/<scheduler>/capacity.json      capacity mode: the search and its probes
-    DIR/peer-hf/                requests.csv and summary.json of the peer (no stages)
-    DIR/comparison.json         see ``bench.compare``
-    DIR/tbt_cdf.png, DIR/ttft_cdf.png
+``--run-dir DIR`` is a ``run_dir.BenchDir`` (its docstring has the layout): a run dir per
+scheduler (``sarathi-pp report`` reads it), the peer's requests and summary,
+``comparison.json`` (see ``bench.compare``) and the CDF plots.
 
 All schedulers run on the same live stages (``LLMEngine.set_scheduler``), so comparing
 policies costs one model load. The peer runs after our stages are shut down, with the
-same number of threads our stages used together.
+same number of threads our stages used together and the dtype they resolved.
 """
 
 from __future__ import annotations
@@ -35,12 +30,11 @@ from sarathi_pp.bench.compare import (
 from sarathi_pp.bench.runner import serve_run
 from sarathi_pp.bench.workload import BenchRequest, Workload
 from sarathi_pp.config import EngineConfig
+from sarathi_pp.placement import Placement
 from sarathi_pp.report.request_metrics import load_requests, request_summary
-from sarathi_pp.run_dir import prepare_run_dir, write_requests_csv
+from sarathi_pp.run_dir import BenchDir, RunDir
 
 PEERS = ("hf",)
-COMPARISON_FILE = "comparison.json"
-CAPACITY_FILE = "capacity.json"
 PEER_SUMMARY_VERSION = 1
 
 
@@ -88,11 +82,12 @@ class BenchOptions:
             )
 
 
-def peer_threads(config: EngineConfig) -> int:
-    """The threads our stages use together: the peer gets as many (like for like)."""
-    from sarathi_pp.stages.profiler import stage_threads
-
-    return config.parallel.pipeline_parallel_size * stage_threads(config)[0]
+def peer_threads(placement: Placement) -> int | None:
+    """The threads our stages used together: the peer gets as many (like for like);
+    ``None`` where the stages kept torch's default (one stage), so does the peer."""
+    if placement.num_threads is None:
+        return None
+    return placement.num_stages * placement.num_threads
 
 
 class Bench:
@@ -109,7 +104,8 @@ class Bench:
         self.workload = workload
         self.options = options
         self.bar = bar  # (description, total) -> a tqdm-like object (update, close)
-        self.dir = prepare_run_dir(options.run_dir, options.overwrite)
+        self.bench_dir = BenchDir.prepare(options.run_dir, options.overwrite)
+        self.dir = self.bench_dir.path
         self.engine: Any = None
         self.requests: list[BenchRequest] = []
 
@@ -132,13 +128,13 @@ class Bench:
         engine, requests = self.engine, self.requests
         try:
             runs = [self._run_scheduler(engine, s, requests) for s in self.options.schedulers]
-            model_dir, dtype = engine.model_dir, engine.resolved_config.model.dtype
+            model_dir, placement = engine.model_dir, engine.placement
         finally:
             engine.shutdown()
         if self.options.peer == "hf":
-            runs.append(self._run_peer(model_dir, dtype, requests))
+            runs.append(self._run_peer(model_dir, placement, requests))
         comparison = build_comparison(runs, self._workload_entry(), self.config.to_dict())
-        (self.dir / COMPARISON_FILE).write_text(json.dumps(comparison, indent=2) + "\n")
+        self.bench_dir.comparison.write_text(json.dumps(comparison, indent=2) + "\n")
         self._plots(runs)
         return comparison
 
@@ -160,10 +156,10 @@ class Bench:
         self, engine: Any, policy: str, requests: list[BenchRequest]
     ) -> dict[str, Any]:
         engine.set_scheduler(policy=policy)
-        run_dir = self.dir / policy
+        run_dir = self.bench_dir.run(policy)
         if self.options.capacity:
             return self._capacity(engine, policy, run_dir)
-        summary = self._serve(engine, requests, run_dir, policy)
+        summary = self._serve(engine, requests, run_dir.path, policy)
         return engine_run_entry(policy, policy, summary)
 
     def _serve(
@@ -184,13 +180,13 @@ class Bench:
         finally:
             bar.close()
 
-    def _capacity(self, engine: Any, policy: str, run_dir: Path) -> dict[str, Any]:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    def _capacity(self, engine: Any, policy: str, run_dir: RunDir) -> dict[str, Any]:
+        run_dir.path.mkdir(parents=True, exist_ok=True)
         probe_dirs: dict[float, Path] = {}
         summaries: dict[float, dict[str, Any]] = {}
 
         def probe(rate: float) -> dict[str, Any]:
-            d = run_dir / "probes" / f"rate-{rate:.4g}"
+            d = run_dir.probe(rate)
             probe_dirs[rate] = d
             requests = self._requests_at(engine, rate)
             summaries[rate] = self._serve(engine, requests, d, f"{policy} @ {rate:.3g} req/s")
@@ -205,7 +201,7 @@ class Bench:
             rel_tol=o.rel_tol,
             time_limit_s=o.time_limit_s,
         )
-        (run_dir / CAPACITY_FILE).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        run_dir.capacity.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
         # The table shows the run at the capacity (or the lowest rate when not met).
         shown = result.capacity if result.capacity is not None else min(probe_dirs)
         d = probe_dirs[shown]
@@ -218,30 +214,32 @@ class Bench:
         return self.workload.with_rate(rate).requests(engine.spec.vocab_size, engine.max_model_len)
 
     # --- the peer ------------------------------------------------------------------------
-    def _run_peer(self, model_dir: Any, dtype: str, requests: list[BenchRequest]) -> dict[str, Any]:
+    def _run_peer(
+        self, model_dir: Any, placement: Placement, requests: list[BenchRequest]
+    ) -> dict[str, Any]:
         from sarathi_pp.bench.peer_hf import run_hf_peer
 
-        name = f"peer-{self.options.peer}"
-        run_dir = self.dir / name
-        run_dir.mkdir(exist_ok=True)
+        name = BenchDir.peer_name(self.options.peer or "")
+        run_dir = self.bench_dir.run(name)
+        run_dir.path.mkdir(exist_ok=True)
         with self._progress(name, len(requests)) as progress:
             result = run_hf_peer(
                 model_dir,
                 requests,
-                dtype=dtype,
-                num_threads=peer_threads(self.config),
+                dtype=placement.dtype,
+                num_threads=peer_threads(placement),
                 progress=progress,
             )
-        write_requests_csv(run_dir, result.outputs)
+        run_dir.write_requests(result.outputs)
         summary = {
             "schema_version": PEER_SUMMARY_VERSION,
             "peer": self.options.peer,
             "mode": result.mode,
             "latency_comparable": result.latency_comparable,
             "note": result.note,
-            "requests": request_summary(load_requests(run_dir / "requests.csv")),
+            "requests": request_summary(load_requests(run_dir.requests)),
         }
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        run_dir.summary.write_text(json.dumps(summary, indent=2) + "\n")
         return peer_run_entry(
             name, name, summary["requests"], result.latency_comparable, result.note
         )
@@ -260,5 +258,5 @@ class Bench:
     def _plots(self, runs: list[dict[str, Any]]) -> None:
         from sarathi_pp.bench.plots import draw_cdfs
 
-        rows = {r["name"]: load_requests(self.dir / r["run_dir"] / "requests.csv") for r in runs}
+        rows = {r["name"]: load_requests(self.bench_dir.run(r["run_dir"]).requests) for r in runs}
         draw_cdfs(rows, self.dir, title=self.workload.describe())

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import sys
 
-from sarathi_pp.launch import cli
+from sarathi_pp.cli import main as cli_main
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    return cli.main(["generate", *argv, "--set", "parallel.executor=ray"])
+    return cli_main(["generate", *argv, "--set", "parallel.executor=ray"])
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from sarathi_pp.outputs import tpot
+
 REQUIRED_COLUMNS = (
     "request_id",
     "num_output_tokens",
@@ -143,11 +145,8 @@ def request_summary(rows: list[RequestRow]) -> dict[str, Any]:
     if source == "tbt_mean_s":
         maxes = [r.tbt_max_s for r in rows if r.tbt_max_s is not None]
         tbt_dist["max"] = max(maxes) if maxes else tbt_dist["max"]
-    tpot = [
-        (r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1)
-        for r in rows
-        if r.num_output_tokens > 1 and r.e2e_s is not None and r.ttft_s is not None
-    ]
+    tpots = [tpot(r.e2e_s, r.ttft_s, r.num_output_tokens) for r in rows]
+    tpots = [t for t in tpots if t is not None]
     finished = [r for r in rows if r.finished_s is not None]
     arrivals = [r.arrival_s for r in rows if r.arrival_s is not None]
     duration = (
@@ -164,7 +163,7 @@ def request_summary(rows: list[RequestRow]) -> dict[str, Any]:
         "ttft_s": distribution([r.ttft_s for r in rows if r.ttft_s is not None]),
         "tbt_s": tbt_dist,
         "tbt_source": source,
-        "tpot_s": distribution(tpot),
+        "tpot_s": distribution(tpots),
         "e2e_s": distribution([r.e2e_s for r in rows if r.e2e_s is not None]),
         "scheduling_delay_s": distribution(
             [r.scheduling_delay_s for r in rows if r.scheduling_delay_s is not None]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sarathi_pp.events import SCHEMA_VERSION
-from sarathi_pp.run_dir import REQUEST_COLUMNS
+from sarathi_pp.run_dir import REQUEST_COLUMNS, RunDir
 
 
 @dataclass(frozen=True)
@@ -185,8 +185,8 @@ def write_demo_run(
         idle_before=gaps,
         policy="vllm",
     )
-    write_events(d / "events.jsonl", simulate(mixed_workload(num_microbatches, seed), cfg))
-    write_requests(d / "requests.csv", request_rows(max(1, num_microbatches // 4), seed))
+    write_events(RunDir(d).events, simulate(mixed_workload(num_microbatches, seed), cfg))
+    write_requests(RunDir(d).requests, request_rows(max(1, num_microbatches // 4), seed))
     return d
 
 

@@ -14,12 +14,7 @@ from sarathi_pp.report.log import RunLog, load_log
 from sarathi_pp.report.request_metrics import load_requests
 from sarathi_pp.report.summary import build_summary
 from sarathi_pp.report.trace import build_trace
-
-EVENTS_FILE = "events.jsonl"
-REQUESTS_FILE = "requests.csv"
-SUMMARY_FILE = "summary.json"
-TRACE_FILE = "trace.json"
-TIMELINE_FILE = "timeline.png"
+from sarathi_pp.run_dir import RunDir
 
 
 @dataclass(frozen=True)
@@ -42,8 +37,8 @@ def check_run_dir(run_dir: str | Path) -> Path:
 def analyze_run(run_dir: str | Path) -> RunReport:
     """Read and analyse a run dir; errors name the missing or bad file."""
     d = check_run_dir(run_dir)
-    log = load_log(d / EVENTS_FILE)
-    rows = load_requests(d / REQUESTS_FILE)
+    log = load_log(RunDir(d).events)
+    rows = load_requests(RunDir(d).requests)
     analysis = analyze(log)
     return RunReport(d, log, analysis, build_summary(log, analysis, rows))
 
@@ -51,18 +46,18 @@ def analyze_run(run_dir: str | Path) -> RunReport:
 def write_files(report: RunReport, plot: bool = True) -> list[Path]:
     """Write summary.json, trace.json and (when ``plot`` and matplotlib is there)
     timeline.png into the run dir; the paths written."""
-    d = report.run_dir
-    written = [d / SUMMARY_FILE, d / TRACE_FILE]
-    (d / SUMMARY_FILE).write_text(json.dumps(report.summary, indent=2, allow_nan=False) + "\n")
-    (d / TRACE_FILE).write_text(json.dumps(build_trace(report.log, report.analysis)))
+    d = RunDir(report.run_dir)
+    written = [d.summary, d.trace]
+    d.summary.write_text(json.dumps(report.summary, indent=2, allow_nan=False) + "\n")
+    d.trace.write_text(json.dumps(build_trace(report.log, report.analysis)))
     if plot:
         try:
             from sarathi_pp.report.timeline import draw_timeline
 
             draw_timeline(
-                report.log, report.analysis, d / TIMELINE_FILE, title=timeline_title(report)
+                report.log, report.analysis, d.timeline, title=timeline_title(report)
             )
-            written.append(d / TIMELINE_FILE)
+            written.append(d.timeline)
         except ImportError:
             warnings.warn(
                 "matplotlib is not installed: no timeline.png (pip install matplotlib)",

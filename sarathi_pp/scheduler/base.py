@@ -17,7 +17,8 @@ from collections import deque
 from sarathi_pp.block_manager import BlockManager
 from sarathi_pp.config import SchedulerConfig
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
-from sarathi_pp.scheduler.chunk_tuner import ChunkTuner, kv_decode_batch
+from sarathi_pp.planner.memory import kv_decode_batch
+from sarathi_pp.planner.tuner import ChunkTuner
 from sarathi_pp.sequence import Sequence, SequenceStatus
 
 # Why the scheduler had nothing to issue (recorded as bubble causes on stage 0).
@@ -41,9 +42,12 @@ class Scheduler(ABC):
         max_model_len: int,
         num_microbatches_in_flight: int = 1,
         max_decode_batch: int | None = None,
+        first_microbatch_id: int = 0,
     ) -> None:
         """``max_decode_batch``: B of ``chunk_size: auto``'s plan (the engine's figure from
-        the stages' memory); ``None`` = what ``num_blocks`` holds (``kv_decode_batch``)."""
+        the stages' memory); ``None`` = what ``num_blocks`` holds (``kv_decode_batch``).
+        ``first_microbatch_id``: the id of the first micro-batch (a scheduler that replaces
+        another on the same stages continues its ids: they stay unique per run)."""
         self.config = config
         self.max_model_len = max_model_len
         self.num_microbatches_in_flight = num_microbatches_in_flight
@@ -52,7 +56,7 @@ class Scheduler(ABC):
         self.running: list[Sequence] = []  # admitted, oldest admission first
         self.seqs: dict[int, Sequence] = {}  # every unfinished (or not yet freed) sequence
         self._admit_counter = itertools.count()
-        self._next_microbatch_id = 0
+        self._next_microbatch_id = first_microbatch_id
         self._step = 0
         self.idle_reason: str | None = None
         self.num_preemptions = 0
@@ -67,6 +71,10 @@ class Scheduler(ABC):
             self.tuner = ChunkTuner(
                 config, max_decode_batch, num_microbatches_in_flight, max_model_len
             )
+
+    @property
+    def next_microbatch_id(self) -> int:
+        return self._next_microbatch_id
 
     @property
     def chunk_size(self) -> int:

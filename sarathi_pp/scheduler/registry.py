@@ -1,9 +1,12 @@
-"""Scheduler policies by name (lazy imports keep ``config`` free of import cycles)."""
+"""Scheduler policies by name, with lazy imports: the names are ``config.SCHEDULER_POLICIES``,
+so a config is checked without importing any policy."""
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING
+
+from sarathi_pp.config import SCHEDULER_POLICIES
 
 if TYPE_CHECKING:
     from sarathi_pp.config import SchedulerConfig
@@ -15,6 +18,7 @@ _POLICIES = {
     "orca": "sarathi_pp.scheduler.orca:OrcaScheduler",
     "simple_chunking": "sarathi_pp.scheduler.simple_chunking:SimpleChunkingScheduler",
 }
+assert tuple(_POLICIES) == SCHEDULER_POLICIES, (_POLICIES, SCHEDULER_POLICIES)
 
 
 def scheduler_names() -> list[str]:
@@ -35,8 +39,10 @@ def create_scheduler(
     max_model_len: int,
     num_microbatches_in_flight: int = 1,
     max_decode_batch: int | None = None,
+    first_microbatch_id: int = 0,
 ) -> Scheduler:
-    """``max_decode_batch``: B for ``chunk_size: auto`` (see ``Scheduler``)."""
+    """``max_decode_batch``: B for ``chunk_size: auto``; ``first_microbatch_id``: where the
+    micro-batch ids start (see ``Scheduler``)."""
     return policy_class(config.policy)(
         config,
         num_blocks=num_blocks,
@@ -44,4 +50,5 @@ def create_scheduler(
         max_model_len=max_model_len,
         num_microbatches_in_flight=num_microbatches_in_flight,
         max_decode_batch=max_decode_batch,
+        first_microbatch_id=first_microbatch_id,
     )

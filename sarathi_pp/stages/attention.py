@@ -236,11 +236,6 @@ def flash_attn_available() -> bool:
     return True
 
 
-def preferred_block_size(device: torch.device) -> int:
-    """256 where flash-attn's paged kernels will run, else 16 (vLLM's default)."""
-    return 256 if device.type == "cuda" and flash_attn_available() else 16
-
-
 def select_backend(device: torch.device, block_size: int) -> str:
     """``flash_attn`` on CUDA when importable and the block size suits its paged kernels
     (a multiple of 256); otherwise ``torch``."""

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from sarathi_pp.model_path import BUILTIN_PREFIX
+from sarathi_pp.config import BUILTIN_PREFIX
 
 if TYPE_CHECKING:  # transformers is imported lazily: a cached folder needs none of it
     from transformers import PretrainedConfig, PreTrainedTokenizerFast

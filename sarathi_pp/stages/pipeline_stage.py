@@ -1,7 +1,7 @@
 """One pipeline stage as a process: its ``StageWorker`` plus the transport to its neighbours.
 
-The same class runs inside a Ray actor (``launch/ray_executor.py``) and inside a torchrun
-rank (``launch/torchrun.py``). ``run(micro-batch)`` is called for every micro-batch in the order the
+The same class runs inside a Ray actor (``executors/ray.py``) and inside a torchrun
+rank (``executors/torchrun.py``). ``run(microbatch)`` is called for every micro-batch in the order the
 scheduler issued them: stage s > 0 receives the micro-batch's hidden states from stage s-1,
 runs its layers (writing its KV blocks), and sends the result on; the last stage returns the
 sampled tokens. Activations never pass through the control plane.
@@ -10,11 +10,11 @@ sampled tokens. Activations never pass through the control plane.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 
 import torch
 
+from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.comm.dist_setup import (
     destroy_stage_group,
     free_port,
@@ -23,48 +23,26 @@ from sarathi_pp.comm.dist_setup import (
     pick_backend,
 )
 from sarathi_pp.comm.p2p import StageTransport
-from sarathi_pp.config import CacheConfig, ParallelConfig
+from sarathi_pp.config import ParallelConfig
 from sarathi_pp.events import StageEvent
-from sarathi_pp.executor import StepResult
-from sarathi_pp.memory import StageMemory
-from sarathi_pp.model_spec import ModelSpec
-from sarathi_pp.microbatch import MicroBatch
-from sarathi_pp.stages.runner import StageSpec, StageWorker, to_step_result
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def threads_per_stage(num_stages: int, configured: int | None) -> int:
-    return configured or max(1, usable_cores() // num_stages)
+from sarathi_pp.microbatch import MicroBatch, StepResult
+from sarathi_pp.planner.memory import StageMemory
+from sarathi_pp.stages.device import set_num_threads
+from sarathi_pp.stages.worker import StageSpec, StageWorker, to_step_result
 
 
 class PipelineStage:
-    def __init__(
-        self,
-        stage: StageSpec,
-        spec: ModelSpec,
-        model_dir: str,
-        max_model_len: int,
-        parallel: ParallelConfig,
-        cache: CacheConfig,
-    ) -> None:
+    def __init__(self, stage: StageSpec, checkpoint: Checkpoint, parallel: ParallelConfig) -> None:
         if stage.device == "cpu":
-            torch.set_num_threads(threads_per_stage(stage.num_stages, parallel.num_threads_per_stage))
+            set_num_threads(stage.num_threads)
         elif stage.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(stage.device))
         self.stage = stage
-        self.spec = spec
-        self.worker = StageWorker(spec, model_dir, stage, max_model_len)
+        self.spec = checkpoint.spec
+        self.worker = StageWorker(checkpoint.spec, checkpoint.path, stage, checkpoint.max_model_len)
         self.timeout_s = parallel.stage_timeout_s
         # A stage may run this many micro-batches ahead of the next one (Note in comm/p2p).
         self.max_pending_sends = parallel.microbatches_in_flight + 1
-        self.cache = cache
         self.transport: StageTransport | None = None
         self._free_since = time.monotonic()  # when the stage last became free
 
@@ -88,12 +66,7 @@ class PipelineStage:
         )
 
     def load_model(self) -> StageMemory:
-        return self.worker.memory(self.worker.load_model(), self.cache)
-
-    def preferred_block_size(self) -> int:
-        from sarathi_pp.stages.attention import preferred_block_size
-
-        return preferred_block_size(self.worker.device)
+        return self.worker.memory(self.worker.load_model())
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.worker.init_kv_cache(num_blocks, block_size)

@@ -1,6 +1,6 @@
 """Time one pipeline stage's forward on the machine at hand (``sarathi-pp profile``).
 
-The stage is built as the engine builds it (the config's layer partition, device, dtype,
+The stage is built as the engine builds it (the placement's layer partition, device, dtype,
 CPU threads and KV block size) as a lone ``StageWorker``, and each configuration of the
 grid is timed through ``StageWorker.execute`` on a hand-made micro-batch: the exact path of a run
 (micro-batch -> metadata -> layers -> sampler on the last stage), as ``benchmarks/piggyback.py``
@@ -25,16 +25,13 @@ from pathlib import Path
 
 import torch
 
-from sarathi_pp.config import EngineConfig
-from sarathi_pp.model_spec import ModelSpec
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
-from sarathi_pp.profile_analysis import GridPoint, ProfileRow
+from sarathi_pp.model_spec import ModelSpec
+from sarathi_pp.placement import Placement
+from sarathi_pp.placement.partition import partition_layers, stage_costs
+from sarathi_pp.planner.profile_analysis import GridPoint, ProfileRow
 from sarathi_pp.sampling_params import SamplingParams
-from sarathi_pp.stages.attention import preferred_block_size
-from sarathi_pp.stages.device import resolve_device, resolve_dtype
-from sarathi_pp.stages.partition import partition_layers, stage_costs
-from sarathi_pp.stages.pipeline_stage import threads_per_stage, usable_cores
-from sarathi_pp.stages.runner import StageSpec, StageWorker
+from sarathi_pp.stages.worker import StageSpec, StageWorker
 
 # Decodes sample every step (one lm_head row each on the last stage), as in a run. A
 # prefill chunk samples only once per prompt, on its last chunk: left out of every row, so
@@ -59,40 +56,18 @@ def binding_stage(spec: ModelSpec, num_stages: int) -> int:
     return max(range(num_stages), key=lambda k: (costs[k], k))
 
 
-def stage_setup(config: EngineConfig, spec: ModelSpec, stage_idx: int) -> StageSetup:
-    """Stage ``stage_idx`` of ``config``'s pipeline, resolved as the executors resolve it."""
-    num_stages = config.parallel.pipeline_parallel_size
-    ranges = partition_layers(spec, num_stages)  # ValueError: more stages than layers
+def stage_setup(placement: Placement, stage_idx: int) -> StageSetup:
+    """Stage ``stage_idx`` of the pipeline ``placement`` describes, as the executors run it."""
+    num_stages = placement.num_stages
     if not 0 <= stage_idx < num_stages:
         raise ValueError(
             f"--stage {stage_idx} is not a stage of pipeline_parallel_size={num_stages} "
             f"(stages 0..{num_stages - 1})"
         )
-    device = resolve_device(config.model.device)
-    dtype = resolve_dtype(config.model.dtype, device)
-    start, end = ranges[stage_idx]
-    stage = StageSpec(stage_idx, num_stages, start, end, dtype, device)
-    block_size = config.cache.block_size or preferred_block_size(torch.device(device))
-    threads, source = None, f"{device}: threads do not apply"
-    if device == "cpu":
-        threads, source = stage_threads(config)
-    return StageSetup(stage, block_size, threads, source)
-
-
-def stage_threads(config: EngineConfig) -> tuple[int, str]:
-    """CPU threads a stage of ``config`` runs with, and why: ``PipelineStage``'s rule for
-    several stages; one stage (``UniprocExecutor``) keeps torch's default unless set."""
-    num_stages = config.parallel.pipeline_parallel_size
-    configured = config.parallel.num_threads_per_stage
-    if configured is not None:
-        return configured, "parallel.num_threads_per_stage"
-    if num_stages == 1:
-        return torch.get_num_threads(), "torch's default, as the single-process executor keeps it"
-    threads = threads_per_stage(num_stages, None)
-    return (
-        threads,
-        f"usable cores {usable_cores()} // {num_stages} stages, as each stage process sets",
-    )
+    threads, source = placement.num_threads, placement.threads_source
+    if placement.device == "cpu" and threads is None:  # one stage keeps torch's default
+        threads = torch.get_num_threads()
+    return StageSetup(StageSpec.of(placement, stage_idx), placement.block_size, threads, source)
 
 
 class StageProfiler:

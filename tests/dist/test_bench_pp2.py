@@ -10,7 +10,7 @@ import yaml
 from sarathi_pp import LLM
 from sarathi_pp.bench.runner import serve
 from sarathi_pp.bench.workload import workload_from_dict
-from sarathi_pp.launch.cli import main
+from sarathi_pp.cli import main
 from sarathi_pp.report.log import load_log
 
 WORKLOAD = {

@@ -20,7 +20,7 @@ import pytest
 from helpers import assert_greedy_match, hf_greedy
 
 from sarathi_pp import LLM, SamplingParams
-from sarathi_pp.executor import StageError
+from sarathi_pp.executors import StageError
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

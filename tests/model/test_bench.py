@@ -13,9 +13,9 @@ import yaml
 from sarathi_pp import LLM, SamplingParams
 from sarathi_pp.bench.runner import serve
 from sarathi_pp.bench.workload import load_workload, workload_from_dict
+from sarathi_pp.cli import main
 from sarathi_pp.config import make_config
 from sarathi_pp.engine import LLMEngine
-from sarathi_pp.launch.cli import main
 from sarathi_pp.report.request_metrics import load_requests
 
 MAX_LEN = 160

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from sarathi_pp import LLM, SamplingParams
-from sarathi_pp.launch.cli import build_parser, config_from_args, main
+from sarathi_pp.cli import build_parser, main
+from sarathi_pp.cli.common import config_from_args
 
 
 def engine_args(model_dir) -> list[str]:

@@ -1,6 +1,6 @@
 """The Hugging Face peer of the serving benchmark on the tiny Llama: exact output lengths,
 greedy tokens as HF ``generate``, sane per-token times, arrivals honoured by the manager
-mode, and ``write_requests_csv`` on its outputs.
+mode, and ``RunDir.write_requests`` on its outputs.
 
 transformers' continuous batching attends over a paged cache with its own masks, so its
 logits may differ from ``generate``'s by rounding: tokens are compared with
@@ -19,7 +19,7 @@ from helpers import assert_greedy_match, hf_greedy
 
 from sarathi_pp.bench.peer_hf import run_hf_peer
 from sarathi_pp.bench.workload import BenchRequest
-from sarathi_pp.run_dir import write_requests_csv
+from sarathi_pp.run_dir import RunDir
 
 ARRIVALS_S = (0.0, 0.3, 0.6)
 
@@ -104,7 +104,7 @@ def test_arrivals_replayed_by_the_manager(llama_dir, with_arrivals):
 
 def test_requests_csv_from_peer_outputs(tmp_path, with_arrivals):
     requests, result, _ = with_arrivals
-    write_requests_csv(tmp_path, result.outputs)
+    RunDir(tmp_path).write_requests(result.outputs)
     with open(tmp_path / "requests.csv") as f:
         rows = list(csv.DictReader(f))
     assert [row["request_id"] for row in rows] == [r.request_id for r in requests]

@@ -14,11 +14,11 @@ import yaml
 
 from sarathi_pp import LLM, load_config
 from sarathi_pp.block_manager import blocks_for
-from sarathi_pp.launch.cli import main
+from sarathi_pp.cli import main
 from sarathi_pp.model_spec import load_model_spec
-from sarathi_pp.planner import spec_stage_memory
+from sarathi_pp.placement.partition import partition_layers
+from sarathi_pp.planner.memory import spec_stage_memory
 from sarathi_pp.stages.model import StageModel
-from sarathi_pp.stages.partition import partition_layers
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MAX_LEN = 128
@@ -157,7 +157,7 @@ def test_profile_missing_columns_is_a_usage_error(llama_dir, capsys, tmp_path):
 def synthetic_profile(path: Path) -> None:
     """A 1024-token prompt whose chunked prefill costs +40% in chunks of 128, +15% in 256,
     +5% in 512; and a +18% step just past every multiple of 64 rows (a 64-row tile)."""
-    from sarathi_pp.profile_analysis import ProfileRow, write_profile
+    from sarathi_pp.planner.profile_analysis import ProfileRow, write_profile
 
     per_row = 1e-5  # seconds per row off the steps
     rows = [ProfileRow(0, 1024, 0, 0, 1024 * per_row)]
@@ -173,7 +173,7 @@ def synthetic_profile(path: Path) -> None:
 
 
 def test_profile_sets_the_clamp_and_the_tile(capsys, tmp_path):
-    from sarathi_pp.profile_analysis import analyze_profile, load_profile
+    from sarathi_pp.planner.profile_analysis import analyze_profile, load_profile
 
     profile = tmp_path / "profile.csv"
     synthetic_profile(profile)

@@ -8,9 +8,9 @@ import csv
 import pytest
 import torch
 
-from sarathi_pp.launch.cli import main
-from sarathi_pp.launch.profile_cli import GridArgs, profile_grid
-from sarathi_pp.profile_analysis import (
+from sarathi_pp.cli import main
+from sarathi_pp.cli.profile import GridArgs, profile_grid
+from sarathi_pp.planner.profile_analysis import (
     EXTRA_COLUMNS,
     PROFILE_COLUMNS,
     analyze_profile,

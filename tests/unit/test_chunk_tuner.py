@@ -20,14 +20,20 @@ from test_scheduler import (
 
 from sarathi_pp.config import CacheConfig, SchedulerConfig
 from sarathi_pp.events import EventLog
-from sarathi_pp.memory import StageMemory
-from sarathi_pp.planner import batch_bound, planned_chunk_size, stage_bounds
+from sarathi_pp.planner.chunk import planned_chunk_size
+from sarathi_pp.planner.memory import (
+    StageMemory,
+    batch_bound,
+    engine_decode_batch,
+    kv_decode_batch,
+    stage_bounds,
+)
+from sarathi_pp.planner.tuner import ChunkTuner
 from sarathi_pp.report import load_log, write_report
 from sarathi_pp.report.synthetic import MB, SimConfig, request_rows, write_events, write_requests
 from sarathi_pp.report.synthetic import simulate as simulate_pipeline
 from sarathi_pp.report.text import format_comparison, format_run
 from sarathi_pp.scheduler import create_scheduler
-from sarathi_pp.scheduler.chunk_tuner import ChunkTuner, engine_decode_batch, kv_decode_batch
 from sarathi_pp.sequence import SequenceStatus
 
 B, N = 65, 1  # 64 decodes per micro-batch

@@ -8,17 +8,15 @@ import sys
 
 import pytest
 
-from sarathi_pp.config import EngineConfig
-from sarathi_pp.launch.cli import (
-    build_parser,
+from sarathi_pp.cli import build_parser, main
+from sarathi_pp.cli.common import config_from_args, parse_set_items
+from sarathi_pp.cli.generate import (
     collect_prompts,
-    config_from_args,
-    main,
-    parse_set_items,
     sampling_params_from_args,
     should_show_progress,
     summary_line,
 )
+from sarathi_pp.config import EngineConfig
 
 
 def parse(*argv: str):

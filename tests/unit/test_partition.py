@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from sarathi_pp.model_spec import ModelSpec
-from sarathi_pp.stages.partition import (
+from sarathi_pp.placement.partition import (
     check_partition,
     format_partition,
     head_cost,

@@ -8,17 +8,20 @@ import pytest
 
 from sarathi_pp.block_manager import blocks_for
 from sarathi_pp.config import CacheConfig
-from sarathi_pp.memory import StageMemory, num_kv_blocks
 from sarathi_pp.model_spec import ModelSpec
-from sarathi_pp.planner import (
-    batch_bound,
+from sarathi_pp.planner.chunk import (
     decode_coverage,
     decodes_per_microbatch,
-    dtype_bytes,
-    max_decode_batch,
     pd_ratio_of,
     planned_chunk_size,
     round_to_tile,
+)
+from sarathi_pp.planner.memory import (
+    StageMemory,
+    batch_bound,
+    dtype_bytes,
+    max_decode_batch,
+    num_kv_blocks,
     spec_stage_memory,
     stage_bounds,
 )

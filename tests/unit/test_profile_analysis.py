@@ -7,15 +7,15 @@ import math
 
 import pytest
 
-from sarathi_pp.launch.cli import build_parser
-from sarathi_pp.launch.profile_cli import (
+from sarathi_pp.cli import build_parser
+from sarathi_pp.cli.profile import (
     DEFAULT_GRID,
     GridArgs,
     grid_args,
     output_path,
     profile_grid,
 )
-from sarathi_pp.profile_analysis import (
+from sarathi_pp.planner.profile_analysis import (
     EXTRA_COLUMNS,
     PROFILE_COLUMNS,
     GridPoint,

@@ -5,7 +5,7 @@
     sarathi-pp bench ... --capacity --slo-tbt-p99 0.5     # highest rate meeting the SLO
     sarathi-pp bench ... --peer hf                        # transformers' continuous batching
 
-Registered by ``sarathi_pp.launch.cli.build_parser``. Bad flags, configs, workloads and
+Bad flags, configs, workloads and
 run dirs are usage errors (exit 2) raised before any model loads.
 """
 
@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sarathi_pp.cli.common import add_engine_args, config_from_args, progress_bar, user_errors
 
-def add_bench_parser(subparsers: Any) -> None:
-    from sarathi_pp.launch.cli import add_engine_args
 
+def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench",
         help="serving benchmark: schedulers (and a peer) on one workload",
@@ -56,7 +56,7 @@ def add_bench_parser(subparsers: Any) -> None:
     g.add_argument(
         "--time-limit", type=float, metavar="S", help="stop probing after S seconds per scheduler"
     )
-    p.set_defaults(func=run_bench)
+    p.set_defaults(func=run)
 
 
 def parse_schedulers(text: str) -> tuple[str, ...]:
@@ -104,9 +104,7 @@ def workload_from_args(args: argparse.Namespace) -> Any:
     return w
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    from sarathi_pp.launch.cli import config_from_args, user_errors
-
+def run(args: argparse.Namespace) -> int:
     with user_errors():
         # The bench's --run-dir holds one run dir per scheduler: not the engine's own.
         run_dir, overwrite = args.run_dir, args.overwrite
@@ -118,7 +116,7 @@ def run_bench(args: argparse.Namespace) -> int:
         from sarathi_pp.bench.suite import Bench
 
         print(f"workload: {workload.describe()}", file=sys.stderr)
-        bench = Bench(config, workload, options, bar=_tqdm_bar)
+        bench = Bench(config, workload, options, bar=progress_bar)
         bench.start()
     comparison = bench.run()
     print(bench.table(comparison))
@@ -128,8 +126,3 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     return 0
 
-
-def _tqdm_bar(desc: str, total: int) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr)

@@ -1,6 +1,6 @@
 """What the offline profile of one pipeline stage shows (pure Python, no torch).
 
-The rows and their CSV live in ``sarathi_pp/profile_csv.py`` (re-exported here:
+The rows and their CSV live in ``sarathi_pp/planner/profile_csv.py`` (re-exported here:
 ``load_profile``, ``write_profile``, ``ProfileRow``, ``GridPoint`` and the column names);
 ``sarathi-pp plan --profile`` and ``sarathi-pp profile`` read the findings off the rows here.
 
@@ -22,7 +22,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from sarathi_pp.profile_csv import (
+from sarathi_pp.planner.profile_csv import (
     EXTRA_COLUMNS,
     PROFILE_COLUMNS,
     GridPoint,

@@ -1,14 +1,14 @@
-"""How ``sarathi-pp plan`` shows a ``Plan`` (``plan_build.py``): the arithmetic as text
+"""How ``sarathi-pp plan`` shows a ``Plan`` (``recommend.py``): the arithmetic as text
 lines, one JSON record, and the ``scheduler:`` YAML snippet to paste into a config."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from sarathi_pp.launch.plan_build import Plan
-from sarathi_pp.memory import StageMemory
 from sarathi_pp.model_spec import ModelSpec
-from sarathi_pp.planner import ChunkPlan, DecodeCoverage, StageBound, dtype_bytes
+from sarathi_pp.planner.chunk import ChunkPlan, DecodeCoverage
+from sarathi_pp.planner.memory import StageBound, StageMemory, dtype_bytes
+from sarathi_pp.planner.recommend import Plan
 
 
 def kv_formula(spec: ModelSpec, num_layers: int, dtype: str) -> str:
@@ -55,8 +55,8 @@ def plan_record(plan: Plan) -> dict[str, Any]:
     binding = stage_record(plan, b.binding)
     return {
         "model": plan.config.model.path,
-        "device": plan.machine.device,
-        "dtype": plan.machine.dtype,
+        "device": plan.placement.device,
+        "dtype": plan.placement.dtype,
         "num_stages": len(plan.bounds),
         "binding_stage": binding["stage_idx"],
         "max_decode_batch": binding["max_decode_batch"],
@@ -64,10 +64,10 @@ def plan_record(plan: Plan) -> dict[str, Any]:
         "param_bytes": binding["param_bytes"],
         "memory_bytes": binding["memory_bytes"],
         "kv_cache_bytes": binding["kv_cache_bytes"],
-        "memory_source": plan.machine.memory_source,
+        "memory_source": plan.placement.memory_source,
         "max_model_len": plan.max_model_len,
         "max_num_seqs": b.max_num_seqs,
-        "block_size": plan.machine.block_size,
+        "block_size": plan.placement.block_size,
         "kv_cache_blocks": plan.kv_cache_blocks,
         "kv_block_decode_batch": plan.block_seqs,
         "effective_decode_batch": plan.decode_batch,
@@ -108,7 +108,7 @@ def _gib(n: int) -> str:
 
 
 def batch_lines(plan: Plan) -> list[str]:
-    m, spec = plan.machine, plan.spec
+    m, spec = plan.placement, plan.spec
     lines = [
         f"model {plan.config.model.path}: {spec.num_layers} layers, {m.dtype} on {m.device}, "
         f"{len(plan.bounds)} stage(s); M_G = {m.memory_source} = {m.memory_bytes} bytes "

@@ -5,11 +5,10 @@ The report gives the overhead of a chunked prefill against the unchunked one per
 size and the smallest chunk within 20%, 10% and ``--max-overhead`` (SARATHI's "chunk 256
 costs < 20%, 512 < 10%"), the tile steps (where a few more rows cost a lot more), and the
 cost of decodes piggybacked on a chunk. ``sarathi-pp plan --profile`` reads the CSV back.
-The grid's rows and the CSV are described in ``sarathi_pp/profile_csv.py``, the analysis
-in ``sarathi_pp/profile_analysis.py``.
+The grid's rows and the CSV are described in ``sarathi_pp/planner/profile_csv.py``, the analysis
+in ``sarathi_pp/planner/profile_analysis.py``.
 
-Registered by ``sarathi_pp.launch.cli.build_parser`` through ``add_profile_parser``. Bad
-flags, a bad config, or an output that exists (without ``--overwrite``) are usage errors
+Bad flags, a bad config, or an output that exists (without ``--overwrite``) are usage errors
 (exit 2).
 """
 
@@ -24,12 +23,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sarathi_pp.profile_analysis import GridPoint, chunk_chain
+from sarathi_pp.checkpoint import load_checkpoint
+from sarathi_pp.cli.common import add_engine_args, config_from_args, user_errors
+from sarathi_pp.placement import resolve_placement
+from sarathi_pp.planner.profile_analysis import (
+    GridPoint,
+    analyze_profile,
+    chunk_chain,
+    write_profile,
+)
+from sarathi_pp.run_dir import PROFILE_FILE
 
 if TYPE_CHECKING:
     from sarathi_pp.stages.profiler import StageSetup
-
-PROFILE_FILE = "profile.csv"
 
 
 @dataclass(frozen=True)
@@ -84,9 +90,7 @@ def token_list(text: str) -> tuple[int, ...]:
     return values
 
 
-def add_profile_parser(subparsers: Any) -> None:
-    from sarathi_pp.launch.cli import add_engine_args  # cli imports this module
-
+def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "profile",
         help="time one stage over a grid of micro-batches; chunk overheads and tile steps",
@@ -124,7 +128,7 @@ def add_profile_parser(subparsers: Any) -> None:
     _grid_flag(g, "--tile-rows", "rows of the tile sweep (prefill-only, context 0)", "tile_rows")
     g.add_argument("--repeats", type=int, metavar="N", help=f"timed runs per configuration, median kept (default {DEFAULT_GRID.repeats})")  # fmt: skip
     g.add_argument("--warmup", type=int, metavar="N", help=f"untimed runs first (default {DEFAULT_GRID.warmup})")  # fmt: skip
-    p.set_defaults(func=run_profile)
+    p.set_defaults(func=run)
 
 
 def _grid_flag(group: Any, flag: str, what: str, name: str) -> None:
@@ -215,24 +219,21 @@ def machine_line() -> str:
 
 
 # --- the subcommand ---------------------------------------------------------------------------
-def run_profile(args: argparse.Namespace) -> int:
-    from sarathi_pp.engine import resolve_max_model_len  # torch: only once the flags are good
-    from sarathi_pp.launch.cli import config_from_args, user_errors
-    from sarathi_pp.model_path import resolve_model_path
-    from sarathi_pp.model_spec import load_model_spec
-    from sarathi_pp.profile_analysis import analyze_profile, write_profile
+def run(args: argparse.Namespace) -> int:
+    # torch: only once the flags are good
+    from sarathi_pp.stages.device import probe_resources
     from sarathi_pp.stages.profiler import StageProfiler, binding_stage, stage_setup
 
     with user_errors():
         config = config_from_args(args)
         grid = grid_args(args)
         path = output_path(args.output, config.run.run_dir, config.run.overwrite)
-        model_dir = resolve_model_path(config.model.path)
-        spec = load_model_spec(model_dir)
-        max_model_len = resolve_max_model_len(config, spec)
+        checkpoint = load_checkpoint(config.model)
+        model_dir, spec, max_model_len = checkpoint.path, checkpoint.spec, checkpoint.max_model_len
+        placement = resolve_placement(config, spec, probe_resources())
         num_stages = config.parallel.pipeline_parallel_size
         stage_idx = args.stage if args.stage is not None else binding_stage(spec, num_stages)
-        setup = stage_setup(config, spec, stage_idx)
+        setup = stage_setup(placement, stage_idx)
         points, skipped = profile_grid(grid, max_model_len)
     header = _header_lines(model_dir, setup, points, skipped, grid, max_model_len)
     for line in header:

@@ -1,7 +1,7 @@
 """``chunk_size: auto``: the token budget planned from the memory bound and the workload's
 P:D ratio, and re-planned from the requests that finish (pure Python, no torch).
 
-The rule is the planner's (``sarathi_pp.planner.planned_chunk_size``): a prefill chunk
+The rule is the planner's (``sarathi_pp.planner.chunk.planned_chunk_size``): a prefill chunk
 ``C = P/D x decodes per micro-batch``, clamped to ``[min_chunk_size, max_chunk_size]``,
 plus those decodes, rounded to the tile (a multiple of ``tile_size`` whether or not
 ``tile_align`` trims the micro-batches). The tuner only decides which P:D feeds it (see
@@ -34,9 +34,8 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from sarathi_pp.config import CacheConfig, SchedulerConfig
-from sarathi_pp.memory import StageMemory
-from sarathi_pp.planner import batch_bound, planned_chunk_size, stage_bounds
+from sarathi_pp.config import SchedulerConfig
+from sarathi_pp.planner.chunk import planned_chunk_size
 
 
 class RequestShape(NamedTuple):
@@ -110,31 +109,3 @@ class ChunkTuner:
         if ratio is not None:
             self.pd_ratio = ratio
             self.chunk_size = self.plan(ratio)
-
-
-def kv_decode_batch(num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int) -> int:
-    """B from the KV blocks a scheduler has: sequences of ``max_model_len`` tokens they
-    hold at once (at least 1), at most ``max_num_seqs``."""
-    return max(1, min(num_blocks * block_size // max_model_len, max_num_seqs))
-
-
-def engine_decode_batch(
-    cache: CacheConfig,
-    stages: list[StageMemory],
-    num_blocks: int,
-    block_size: int,
-    max_model_len: int,
-    max_num_seqs: int,
-) -> int:
-    """B for the engine's ``chunk_size: auto``.
-
-    The KV cache sized from memory (or ``kv_cache_memory``): the planner's bound, the
-    binding stage's ``floor((M_G - M_S) / (L x m_kv))`` capped at ``max_num_seqs``, the
-    figure ``sarathi-pp plan`` prints (the blocks may hold a sequence less: rounding to
-    whole blocks). ``num_kv_blocks`` given: the stages' memory says nothing of the cache,
-    so B is what those blocks hold (``kv_decode_batch``).
-    """
-    if cache.num_kv_blocks is not None:
-        return kv_decode_batch(num_blocks, block_size, max_model_len, max_num_seqs)
-    bounds = stage_bounds(stages, max_model_len, cache.kv_cache_memory)
-    return batch_bound(bounds, max_num_seqs).effective

@@ -2,8 +2,7 @@
 its table; with two or more runs, print them side by side with ratios (the first run
 against each other one). Runs are named by their dir name.
 
-Registered by ``sarathi_pp.launch.cli.build_parser`` through ``add_report_parser``. A
-missing or invalid run dir, ``events.jsonl`` or ``requests.csv`` is a usage error (exit 2).
+A missing or invalid run dir, ``events.jsonl`` or ``requests.csv`` is a usage error (exit 2).
 """
 
 from __future__ import annotations
@@ -13,8 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sarathi_pp.cli.common import user_errors
 
-def add_report_parser(subparsers: Any) -> None:
+
+def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "report",
         help="rebuild a run's bubble report; compare runs",
@@ -27,7 +28,7 @@ def add_report_parser(subparsers: Any) -> None:
         "--no-write", dest="write", action="store_false", help="only print; write no files"
     )
     p.add_argument("--no-plot", dest="plot", action="store_false", help="skip timeline.png")
-    p.set_defaults(func=run_report)
+    p.set_defaults(func=run)
 
 
 def run_names(run_dirs: list[str]) -> list[str]:
@@ -36,8 +37,7 @@ def run_names(run_dirs: list[str]) -> list[str]:
     return [d if names.count(n) > 1 else n for n, d in zip(names, run_dirs, strict=True)]
 
 
-def run_report(args: argparse.Namespace) -> int:
-    from sarathi_pp.launch.cli import user_errors
+def run(args: argparse.Namespace) -> int:
     from sarathi_pp.report.text import format_comparison, format_run
     from sarathi_pp.report.writer import analyze_run, write_files
 

@@ -1,6 +1,6 @@
 """Pipeline parallelism on Ray: one actor per stage, placed by a placement group.
 
-Control plane: the driver (the engine, with the scheduler) calls ``run(micro-batch)`` on every
+Control plane: the driver (the engine, with the scheduler) calls ``run(microbatch)`` on every
 stage actor for every micro-batch; Ray runs an actor's calls in submission order, so all
 stages see the micro-batches in issue order. Data plane: the actors pass hidden states
 between themselves over ``torch.distributed`` send/recv (gloo on CPU, NCCL on CUDA) in a
@@ -11,18 +11,26 @@ stage's sampled tokens come back to the driver.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
 from collections import deque
 
+from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import EngineConfig
-from sarathi_pp.executor import StageError, StepResult
-from sarathi_pp.memory import StageMemory
-from sarathi_pp.model_spec import ModelSpec
-from sarathi_pp.microbatch import MicroBatch
-from sarathi_pp.stages.partition import format_partition, partition_layers
-from sarathi_pp.stages.runner import StageSpec
+from sarathi_pp.executors.base import StageError
+from sarathi_pp.microbatch import MicroBatch, StepResult
+from sarathi_pp.placement import (
+    Placement,
+    Resources,
+    format_partition,
+    partition_layers,
+    resolve_placement,
+)
+from sarathi_pp.planner.memory import StageMemory
+from sarathi_pp.stages.device import probe_resources
+from sarathi_pp.stages.worker import StageSpec
 
 logger = logging.getLogger(__name__)
 
@@ -51,24 +59,23 @@ def _start_ray(ray) -> bool:
     return True
 
 
-def _resolve_device(ray, config: EngineConfig, num_stages: int) -> str:
+def _cluster_resources(ray, device: str, num_stages: int, timeout_s: float) -> Resources:
+    """The placement rule's view of the cluster: its GPU count, and one GPU's memory and
+    bfloat16 support, probed on a GPU worker when this driver has none."""
+    local = probe_resources()
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    device = config.model.device
-    if device == "auto":
-        device = "cuda" if gpus >= num_stages else "cpu"
-    if device == "cuda" and gpus < num_stages:
-        raise ValueError(
-            f"pipeline_parallel_size={num_stages} needs {num_stages} GPUs, the Ray cluster has {gpus}"
-        )
-    return device
+    if device != "cpu" and gpus >= num_stages and local.num_cuda_devices == 0:
+        probe = ray.remote(num_gpus=1)(probe_resources).remote()
+        local = ray.get(probe, timeout=timeout_s)
+    return dataclasses.replace(local, num_cuda_devices=gpus, description="the Ray cluster")
 
 
 class RayExecutor:
-    def __init__(self, config: EngineConfig, spec: ModelSpec, model_dir: str, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
         ray = self._ray = _ray()
         p = config.parallel
         self.num_stages = p.pipeline_parallel_size
-        ranges = partition_layers(spec, self.num_stages)  # ValueError before Ray starts
+        partition_layers(checkpoint.spec, self.num_stages)  # ValueError before Ray starts
         self._started_ray = _start_ray(ray)
         self.timeout_s = p.stage_timeout_s
         self._inflight: deque[tuple[MicroBatch, list]] = deque()
@@ -76,24 +83,25 @@ class RayExecutor:
         self.clock_offsets: list[float] = []
         self._pg = None
         try:
-            device = _resolve_device(ray, config, self.num_stages)
-            dtype = config.model.dtype
-            if dtype == "auto":
-                dtype = "bfloat16" if device == "cuda" else "float32"
-            logger.info("stages:\n%s", format_partition(spec, ranges))
-            self._create_actors(config, spec, model_dir, max_model_len, ranges, device, dtype)
+            resources = _cluster_resources(
+                ray, config.model.device, self.num_stages, self.timeout_s
+            )
+            self.placement = resolve_placement(config, checkpoint.spec, resources)
+            ranges = list(self.placement.layer_ranges)
+            logger.info("stages:\n%s", format_partition(checkpoint.spec, ranges))
+            self._create_actors(config, checkpoint, self.placement)
         except BaseException:
             self.shutdown()
             raise
 
-    def _create_actors(self, config, spec, model_dir, max_model_len, ranges, device, dtype) -> None:
+    def _create_actors(self, config: EngineConfig, checkpoint: Checkpoint, placement: Placement) -> None:
         ray = self._ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from sarathi_pp.stages.pipeline_stage import PipelineStage
 
-        n = self.num_stages
+        n, device = self.num_stages, placement.device
         # Fractional CPUs so that more stages than cores still start (2-core CI, PP=4); the
         # threads a stage uses are set apart from this (``num_threads_per_stage``).
         free_cpus = float(ray.available_resources().get("CPU", 0.0))
@@ -107,15 +115,13 @@ class RayExecutor:
                 f"{self.timeout_s:g} s; free in the cluster: {ray.available_resources()}"
             )
         actor_cls = ray.remote(PipelineStage)
-        p = config.parallel
-        for i, (start, end) in enumerate(ranges):
-            stage = StageSpec(i, n, start, end, dtype, device)
+        for i in range(n):
             strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)
             self.actors.append(
                 actor_cls.options(
                     num_cpus=cpus, num_gpus=1 if device == "cuda" else 0,
                     scheduling_strategy=strategy, name=None,
-                ).remote(stage, spec, model_dir, max_model_len, p, config.cache)
+                ).remote(StageSpec.of(placement, i), checkpoint, config.parallel)
             )
         addr, port = self._get([self.actors[0].address.remote()], "rendezvous")[0]
         self._get([a.init_group.remote(addr, port) for a in self.actors], "process group set-up")
@@ -155,9 +161,6 @@ class RayExecutor:
     # --- Executor --------------------------------------------------------------------------------
     def load_model(self) -> list[StageMemory]:
         return self._get([a.load_model.remote() for a in self.actors], "loading weights")
-
-    def preferred_block_size(self) -> int:
-        return self._get([self.actors[0].preferred_block_size.remote()], "block size")[0]
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._get([a.init_kv_cache.remote(num_blocks, block_size) for a in self.actors], "KV cache")

@@ -2,7 +2,7 @@
 
 Pure Python (no torch): ``sarathi-pp profile`` (``stages/profiler.py`` times the forward)
 writes the CSV; ``sarathi-pp plan --profile`` and anyone else read it back here, and
-``sarathi_pp/profile_analysis.py`` reads the findings off the rows.
+``sarathi_pp/planner/profile_analysis.py`` reads the findings off the rows.
 
 One CSV row is one timed configuration of a micro-batch on one stage: a prefill chunk of
 ``prefill_tokens`` rows and ``decode_tokens`` decode rows, every sequence with

@@ -1,8 +1,8 @@
 """The single-process executor: one stage holding every layer, run synchronously.
 
-A micro-batch that raises is retried one sequence at a time, so one failing request finishes with
-an error of its own while the others go on (K/V writes are idempotent: a retried chunk
-writes the same values to the same slots).
+A micro-batch that raises is retried one sequence at a time, so one failing request
+finishes with an error of its own while the others go on (K/V writes are idempotent: a
+retried chunk writes the same values to the same slots).
 """
 
 from __future__ import annotations
@@ -11,38 +11,30 @@ import logging
 import time
 from collections import deque
 
-import torch
-
+from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.events import StageEvent
-from sarathi_pp.executor import StepResult
-from sarathi_pp.memory import StageMemory
-from sarathi_pp.model_spec import ModelSpec
-from sarathi_pp.microbatch import MicroBatch
-from sarathi_pp.stages.attention import preferred_block_size
-from sarathi_pp.stages.device import resolve_device, resolve_dtype
-from sarathi_pp.stages.runner import StageSpec, StageWorker, to_step_result
+from sarathi_pp.microbatch import MicroBatch, StepResult
+from sarathi_pp.placement import resolve_placement
+from sarathi_pp.planner.memory import StageMemory
+from sarathi_pp.stages.device import probe_resources, set_num_threads
+from sarathi_pp.stages.worker import StageSpec, StageWorker, to_step_result
 
 logger = logging.getLogger(__name__)
 
 
 class UniprocExecutor:
-    def __init__(self, config: EngineConfig, spec: ModelSpec, model_dir: str, max_model_len: int) -> None:
-        device = resolve_device(config.model.device)
-        dtype = resolve_dtype(config.model.dtype, device)
-        stage = StageSpec(0, 1, 0, spec.num_layers, dtype, device)
-        if device == "cpu" and config.parallel.num_threads_per_stage is not None:
-            torch.set_num_threads(config.parallel.num_threads_per_stage)
-        self.config = config
-        self.worker = StageWorker(spec, model_dir, stage, max_model_len)
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
+        self.placement = resolve_placement(config, checkpoint.spec, probe_resources())
+        assert self.placement.num_stages == 1, "uniproc runs one stage"
+        set_num_threads(self.placement.num_threads)
+        stage = StageSpec.of(self.placement, 0)
+        self.worker = StageWorker(checkpoint.spec, checkpoint.path, stage, checkpoint.max_model_len)
         self._done: deque[tuple[MicroBatch, StepResult]] = deque()
         self._free_since = time.monotonic()
 
     def load_model(self) -> list[StageMemory]:
-        return [self.worker.memory(self.worker.load_model(), self.config.cache)]
-
-    def preferred_block_size(self) -> int:
-        return preferred_block_size(self.worker.device)
+        return [self.worker.memory(self.worker.load_model())]
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.worker.init_kv_cache(num_blocks, block_size)
@@ -56,7 +48,7 @@ class UniprocExecutor:
             StageEvent(0, microbatch.microbatch_id, microbatch.kind, microbatch.num_prefill_tokens,
                        microbatch.num_decode_tokens, self._free_since, compute_start, compute_start,
                        end, end)
-        ]
+        ]  # fmt: skip
         self._free_since = end
         self._done.append((microbatch, result))
 
@@ -80,4 +72,3 @@ class UniprocExecutor:
             result.sampled.update(solo.sampled)
             result.errors.update(solo.errors)
         return result
-

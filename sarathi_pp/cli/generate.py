@@ -1,117 +1,26 @@
-"""The ``sarathi-pp`` command line: one subcommand per task (``generate`` for now).
+"""``sarathi-pp generate``: a completion for each prompt, printed or written as JSON Lines.
 
-``main()`` stays thin: parse, load the config, build, run. Each subcommand is a
-``run_<name>(args) -> int`` function registered by ``add_<name>_parser``; the pieces that
-need no model (building the config, the sampling parameters, collecting prompts) are plain
-functions so they can be tested in milliseconds.
-
-Exit status: 0 on success; 1 when some request finished with an error (the others still
-complete and are written); 2 for a usage error. A usage error is a mistake in what the user
-gave: bad flags (argparse), a bad config value, a missing config file, model folder or
-prompts file, an invalid prompt. It prints ``sarathi-pp: error: <message>`` to stderr with
-no traceback. Anything else is a bug and propagates with its traceback.
+The pieces that need no model (the sampling parameters, collecting prompts, the output
+records) are plain functions so they can be tested in milliseconds.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from sarathi_pp.config import DTYPES, FLAT_KEYS, EngineConfig, load_config, parse_set_value
-from sarathi_pp.launch.bench_cli import add_bench_parser
-from sarathi_pp.launch.plan_cli import add_plan_parser
-from sarathi_pp.launch.profile_cli import add_profile_parser
-from sarathi_pp.report.cli import add_report_parser
+from sarathi_pp.cli.common import PROG, add_engine_args, config_from_args, user_errors
 from sarathi_pp.sampling_params import SamplingParams
-
-PROG = "sarathi-pp"
-
-# Flag dest -> config key (a flat ``LLM(...)`` keyword, see ``config.FLAT_KEYS``).
-OVERRIDE_FLAGS: dict[str, str] = {
-    "model": "model",
-    "scheduler": "scheduler",
-    "chunk_size": "chunk_size",
-    "pipeline_parallel_size": "pipeline_parallel_size",
-    "dtype": "dtype",
-    "run_dir": "run_dir",
-    "overwrite": "overwrite",
-}
 
 # Above this many prompts a progress bar is drawn even when stderr is not a terminal.
 PROGRESS_MIN_PROMPTS = 64
 
 
-class UsageError(Exception):
-    """A mistake in the user's input; ``main`` prints it and exits with status 2."""
-
-
-@contextlib.contextmanager
-def user_errors() -> Iterator[None]:
-    """Turn the errors validation raises for bad input into ``UsageError``.
-
-    Why a scope instead of catching in ``main``: only the setup phases (config, model,
-    prompts) are wrapped, so a ``ValueError`` from a bug in the engine loop still
-    propagates with its traceback.
-    """
-    try:
-        yield
-    except (ValueError, FileNotFoundError, TypeError) as e:
-        raise UsageError(str(e)) from e
-
-
-# --- parser ---------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="SARATHI (chunked prefills + decode-maximal batching) LLM inference.",
-    )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_generate_parser(subparsers)
-    add_report_parser(subparsers)
-    # further subcommands: one add_<name>_parser(subparsers) line each, below
-    add_bench_parser(subparsers)
-    add_plan_parser(subparsers)
-    add_profile_parser(subparsers)
-    return parser
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The config flags every model-running subcommand shares."""
-    g = parser.add_argument_group("engine config (later wins: defaults < --config < flags)")
-    g.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
-    g.add_argument("--model", metavar="PATH", help="model folder or builtin:NAME (model.path)")
-    g.add_argument("--scheduler", metavar="POLICY", help="scheduler.policy (sarathi, vllm, ...)")
-    g.add_argument(
-        "--chunk-size", type=chunk_size_arg, metavar="N|auto", help="scheduler.chunk_size"
-    )
-    g.add_argument(
-        "--pipeline-parallel-size", type=int, metavar="N", help="parallel.pipeline_parallel_size"
-    )
-    g.add_argument("--dtype", choices=DTYPES, help="model.dtype")
-    g.add_argument("--run-dir", metavar="DIR", help="run.run_dir: where the run's records go")
-    g.add_argument(
-        "--overwrite",
-        action="store_true",
-        default=None,
-        help="run.overwrite: allow writing into a non-empty run dir",
-    )
-    g.add_argument(
-        "--set",
-        dest="set_items",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="any config key, value parsed as YAML (repeatable; e.g. scheduler.chunk_size=512)",
-    )
-
-
-def add_generate_parser(subparsers: Any) -> None:
+def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "generate",
         help="generate completions for prompts",
@@ -149,64 +58,10 @@ def add_generate_parser(subparsers: Any) -> None:
         help="progress bar on stderr (default: when stderr is a terminal or there are "
         f"more than {PROGRESS_MIN_PROMPTS} prompts)",
     )
-    p.set_defaults(func=run_generate)
+    p.set_defaults(func=run)
 
 
 # --- pieces that need no model --------------------------------------------------------------
-def chunk_size_arg(text: str) -> int | str:
-    """``--chunk-size``: a token count or ``auto`` (argparse ``type=``)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
-
-
-def parse_set_items(items: list[str]) -> dict[str, Any]:
-    """``["scheduler.chunk_size=7", ...]`` -> ``{"scheduler.chunk_size": 7}`` (last wins)."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set expects SECTION.KEY=VALUE, got {item!r}")
-        out[key.strip()] = parse_set_value(value)
-    return out
-
-
-def _dotted(key: str) -> str:
-    """The ``section.key`` name of a flat or dotted config key (unknown ones unchanged)."""
-    if key in FLAT_KEYS:
-        section, name = FLAT_KEYS[key]
-        return f"{section}.{name}"
-    return key
-
-
-def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The dedicated flags and ``--set`` items as ``section.key`` overrides.
-
-    A key given both by a flag and by ``--set`` with different values is an error: neither
-    silently winning would surprise someone.
-    """
-    flags = {
-        _dotted(key): getattr(args, dest)
-        for dest, key in OVERRIDE_FLAGS.items()
-        if getattr(args, dest, None) is not None
-    }
-    sets = {_dotted(k): v for k, v in parse_set_items(args.set_items).items()}
-    for key in flags.keys() & sets.keys():
-        if flags[key] != sets[key]:
-            raise ValueError(
-                f"{key} is given twice: {flags[key]!r} by its flag and {sets[key]!r} by --set"
-            )
-    return {**flags, **sets}
-
-
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The engine config: defaults < ``--config`` file < flags and ``--set``."""
-    return load_config(args.config, **config_overrides(args))
-
-
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_tokens,
@@ -305,9 +160,9 @@ def summary_line(records: list[dict[str, Any]], wall_s: float) -> str:
     )
 
 
-# --- subcommands ----------------------------------------------------------------------------
-def run_generate(args: argparse.Namespace) -> int:
-    from sarathi_pp.llm import LLM  # loads torch: only once the arguments are known good
+# --- the subcommand ---------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    from sarathi_pp.llm import LLM  # loads the engine: only once the arguments are known good
 
     with user_errors():
         config = config_from_args(args)
@@ -315,14 +170,15 @@ def run_generate(args: argparse.Namespace) -> int:
         prompts = collect_prompts(args)
         check_output_path(args.output)
         llm = LLM(config=config)
-        requests = [tokenized_prompt(llm, i, p) for i, p in enumerate(prompts)]
-    use_tqdm = should_show_progress(args.progress, len(prompts), sys.stderr)
-    try:
+    try:  # from here on the stages are up: released whatever happens
+        with user_errors():
+            requests = [tokenized_prompt(llm, i, p) for i, p in enumerate(prompts)]
+        use_tqdm = should_show_progress(args.progress, len(prompts), sys.stderr)
         start = time.perf_counter()
         outputs = llm.generate(requests, params, use_tqdm=use_tqdm)
         wall_s = time.perf_counter() - start
     finally:
-        llm.engine.shutdown()
+        llm.shutdown()
     records = [result_record(i, out) for i, out in enumerate(outputs)]
     if args.output is None:
         print_readable(records, sys.stdout)
@@ -344,21 +200,3 @@ def tokenized_prompt(llm: Any, index: int, text: str) -> dict[str, Any]:
     token_ids = llm.engine.tokenize(text)
     llm.engine.validate_prompt(token_ids, f"prompt {index}")
     return {"prompt": text, "prompt_token_ids": token_ids}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``sarathi-pp``; returns the exit status (see the module docstring).
-
-    Usage errors raise ``SystemExit(2)``, as argparse does for bad flags.
-    """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The ``sarathi-pp`` command line: one module per subcommand (``generate``, ``report``,
+``bench``, ``plan``, ``profile``), each with ``add_parser(subparsers)`` and ``run(args) ->
+int``; ``common`` has what they share. Subcommands import ``common``, never each other;
+this module imports the subcommands.
+
+``main()`` stays thin: parse, run the subcommand; a usage error exits with status 2 (see
+``common``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sarathi_pp.cli import bench, generate, plan, profile, report
+from sarathi_pp.cli.common import PROG, UsageError
+
+SUBCOMMANDS = (generate, report, bench, plan, profile)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="SARATHI (chunked prefills + decode-maximal batching) LLM inference.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in SUBCOMMANDS:
+        command.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``sarathi-pp``; returns the exit status (see ``common``).
+
+    Usage errors raise ``SystemExit(2)``, as argparse does for bad flags.
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""What every subcommand of ``sarathi-pp`` shares: the engine flags, the config they build,
+and how a user's mistake becomes ``sarathi-pp: error: ...`` with exit status 2.
+
+Exit status: 0 on success; 1 when some request finished with an error (the others still
+complete and are written); 2 for a usage error. A usage error is a mistake in what the user
+gave: bad flags (argparse), a bad config value, a missing config file, model folder or
+prompts file, an invalid prompt. It prints ``sarathi-pp: error: <message>`` to stderr with
+no traceback. Anything else is a bug and propagates with its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from sarathi_pp.config import DTYPES, FLAT_KEYS, EngineConfig, load_config, parse_set_value
+
+PROG = "sarathi-pp"
+
+# Flag dest -> config key (a flat ``LLM(...)`` keyword, see ``config.FLAT_KEYS``).
+OVERRIDE_FLAGS: dict[str, str] = {
+    "model": "model",
+    "scheduler": "scheduler",
+    "chunk_size": "chunk_size",
+    "pipeline_parallel_size": "pipeline_parallel_size",
+    "dtype": "dtype",
+    "run_dir": "run_dir",
+    "overwrite": "overwrite",
+}
+
+
+class UsageError(Exception):
+    """A mistake in the user's input; ``main`` prints it and exits with status 2."""
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn the errors validation raises for bad input into ``UsageError``.
+
+    Why a scope instead of catching in ``main``: only the setup phases (config, model,
+    prompts) are wrapped, so a ``ValueError`` from a bug in the engine loop still
+    propagates with its traceback.
+    """
+    try:
+        yield
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        raise UsageError(str(e)) from e
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The config flags every model-running subcommand shares."""
+    g = parser.add_argument_group("engine config (later wins: defaults < --config < flags)")
+    g.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
+    g.add_argument("--model", metavar="PATH", help="model folder or builtin:NAME (model.path)")
+    g.add_argument("--scheduler", metavar="POLICY", help="scheduler.policy (sarathi, vllm, ...)")
+    g.add_argument(
+        "--chunk-size", type=chunk_size_arg, metavar="N|auto", help="scheduler.chunk_size"
+    )
+    g.add_argument(
+        "--pipeline-parallel-size", type=int, metavar="N", help="parallel.pipeline_parallel_size"
+    )
+    g.add_argument("--dtype", choices=DTYPES, help="model.dtype")
+    g.add_argument("--run-dir", metavar="DIR", help="run.run_dir: where the run's records go")
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=None,
+        help="run.overwrite: allow writing into a non-empty run dir",
+    )
+    g.add_argument(
+        "--set",
+        dest="set_items",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="any config key, value parsed as YAML (repeatable; e.g. scheduler.chunk_size=512)",
+    )
+
+
+def chunk_size_arg(text: str) -> int | str:
+    """``--chunk-size``: a token count or ``auto`` (argparse ``type=``)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
+def parse_set_items(items: list[str]) -> dict[str, Any]:
+    """``["scheduler.chunk_size=7", ...]`` -> ``{"scheduler.chunk_size": 7}`` (last wins)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects SECTION.KEY=VALUE, got {item!r}")
+        out[key.strip()] = parse_set_value(value)
+    return out
+
+
+def _dotted(key: str) -> str:
+    """The ``section.key`` name of a flat or dotted config key (unknown ones unchanged)."""
+    if key in FLAT_KEYS:
+        section, name = FLAT_KEYS[key]
+        return f"{section}.{name}"
+    return key
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The dedicated flags and ``--set`` items as ``section.key`` overrides.
+
+    A key given both by a flag and by ``--set`` with different values is an error: neither
+    silently winning would surprise someone.
+    """
+    flags = {
+        _dotted(key): getattr(args, dest)
+        for dest, key in OVERRIDE_FLAGS.items()
+        if getattr(args, dest, None) is not None
+    }
+    sets = {_dotted(k): v for k, v in parse_set_items(args.set_items).items()}
+    for key in flags.keys() & sets.keys():
+        if flags[key] != sets[key]:
+            raise ValueError(
+                f"{key} is given twice: {flags[key]!r} by its flag and {sets[key]!r} by --set"
+            )
+    return {**flags, **sets}
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine config: defaults < ``--config`` file < flags and ``--set``."""
+    return load_config(args.config, **config_overrides(args))
+
+
+def progress_bar(desc: str, total: int) -> Any:
+    """A progress bar on stderr (``update``, ``close``), counting requests."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr)

@@ -1,0 +1,263 @@
+"""``LLMEngine``: the online loop in vLLM's shape (``add_request`` / ``step`` / ``abort``).
+
+One ``step()`` issues every micro-batch the scheduler can issue (up to the in-flight limit:
+the number of pipeline stages by default), waits for the oldest in flight and applies its
+sampled tokens. Around the loop: ``InputProcessor`` (tokenizer, prompt checks),
+``OutputProcessor`` (stop checks, text, ``RequestOutput``) and a recorder (the run dir's records, or nothing). The loop imports no torch: executors
+are reached by name (``executors.create_executor``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from sarathi_pp.checkpoint import load_checkpoint
+from sarathi_pp.config import EngineConfig, SchedulerConfig
+from sarathi_pp.engine.input_processor import InputProcessor
+from sarathi_pp.engine.output_processor import OutputProcessor
+from sarathi_pp.engine.recorder import NullRecorder, Recorder, RunRecorder
+from sarathi_pp.executors import Executor, StageError, create_executor
+from sarathi_pp.microbatch import MicroBatch, StepResult
+from sarathi_pp.outputs import RequestOutput
+from sarathi_pp.planner.memory import engine_decode_batch, num_kv_blocks
+from sarathi_pp.run_dir import RunDir
+from sarathi_pp.sampling_params import SamplingParams
+from sarathi_pp.scheduler import Scheduler, create_scheduler
+from sarathi_pp.scheduler.base import IDLE_DEPENDENCY
+from sarathi_pp.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor: str | None = None) -> None:
+        run_dir = None
+        if config.run.run_dir is not None:  # refuse a used run dir before any work
+            run_dir = RunDir.prepare(config.run.run_dir, config.run.overwrite)
+        self.config = config
+        self.checkpoint = load_checkpoint(config.model)
+        self.inputs = InputProcessor(config.model, self.checkpoint)
+        self.tokenizer = self.inputs.tokenizer
+        num_stages = config.parallel.pipeline_parallel_size
+        if num_stages > self.spec.num_layers:
+            raise ValueError(
+                f"pipeline_parallel_size={num_stages} exceeds the model's "
+                f"{self.spec.num_layers} layers: every stage needs at least one"
+            )
+        self.executor: Executor = create_executor(
+            executor or config.parallel.executor_name, config, self.checkpoint
+        )
+        try:
+            self._init_cache_and_scheduler(config)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self._inflight: deque[MicroBatch] = deque()
+        self._seq_ids = itertools.count()
+        self._requests: dict[str, Sequence] = {}
+        eos_ids = self.inputs.eos_token_ids()
+        self.outputs = OutputProcessor(self.tokenizer, eos_ids, self.max_model_len)
+        self.recorder: Recorder = NullRecorder()
+        if run_dir is not None:
+            self.recorder = RunRecorder(run_dir, self.resolved_config, self.now())
+
+    def _init_cache_and_scheduler(self, config: EngineConfig) -> None:
+        self.placement = self.executor.placement  # device, dtype, threads, M_G, block size
+        self.stage_memory = self.executor.load_model()
+        self.block_size = self.placement.block_size
+        self.num_kv_blocks = num_kv_blocks(
+            config.cache,
+            self.stage_memory,
+            self.block_size,
+            self.max_model_len,
+            config.scheduler.max_num_seqs,
+        )
+        self.executor.init_kv_cache(self.num_kv_blocks, self.block_size)
+        self.max_inflight = config.parallel.microbatches_in_flight
+        self.scheduler = self._create_scheduler(config.scheduler)
+
+    # --- what the engine runs ----------------------------------------------------------
+    spec = property(lambda self: self.checkpoint.spec)
+    model_dir = property(lambda self: self.checkpoint.path)
+    max_model_len = property(lambda self: self.checkpoint.max_model_len)
+    run_dir = property(lambda self: None if self.recorder.run_dir is None else self.recorder.run_dir.path)
+
+    @property
+    def resolved_config(self) -> EngineConfig:
+        """The config in force with every ``auto`` and default resolved."""
+        return self.config.replace(
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            dtype=self.placement.dtype,
+            device=self.placement.device,
+        )
+
+    def set_scheduler(self, **overrides: Any) -> None:
+        """Switch scheduler settings (``policy``, ``chunk_size``, ...) between workloads,
+        keeping the loaded stages and their KV cache: comparing policies on one pipeline
+        costs no new stage processes. Only while no request is unfinished."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("set_scheduler needs an idle engine (requests are unfinished)")
+        config = self.config.replace(**{f"scheduler.{k}": v for k, v in overrides.items()})
+        next_id = self.scheduler.next_microbatch_id  # ids stay unique per run
+        self.scheduler = self._create_scheduler(config.scheduler, next_id)
+        self.config = config
+
+    def _create_scheduler(self, config: SchedulerConfig, first_microbatch_id: int = 0) -> Scheduler:
+        # B of chunk_size: auto's plan (see engine_decode_batch for which figure).
+        max_decode_batch = None
+        if config.chunk_size == "auto":
+            max_decode_batch = engine_decode_batch(
+                self.config.cache,
+                self.stage_memory,
+                self.num_kv_blocks,
+                self.block_size,
+                self.max_model_len,
+                config.max_num_seqs,
+            )
+        return create_scheduler(
+            config,
+            self.num_kv_blocks,
+            self.block_size,
+            self.max_model_len,
+            self.max_inflight,
+            max_decode_batch,
+            first_microbatch_id,
+        )
+
+    @staticmethod
+    def now() -> float:
+        return time.monotonic()
+
+    # --- requests ------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.inputs.tokenize(prompt)
+
+    def validate_prompt(self, token_ids: list[int], where: str = "prompt") -> None:
+        """``ValueError`` naming ``where`` unless the prompt can run at all."""
+        s = self.config.scheduler
+        max_unchunked = None if self.scheduler.chunks_prompts else s.max_num_batched_tokens
+        kv_capacity = self.num_kv_blocks * self.block_size
+        self.inputs.validate(token_ids, where, kv_capacity, max_unchunked, s.policy)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise TypeError(f"request {request_id!r}: prompt must be a string, got {prompt!r}")
+            prompt_token_ids = self.tokenize(prompt) if prompt else []
+        self.validate_prompt(list(prompt_token_ids), f"request {request_id!r}")
+        arrival = self.now() if arrival_time is None else arrival_time
+        seq = Sequence(
+            next(self._seq_ids), request_id, list(prompt_token_ids), params, arrival, prompt=prompt
+        )
+        self._requests[request_id] = seq
+        self.outputs.add(seq)
+        self.recorder.added(request_id)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        seq = self._requests.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED, self.now())
+            self.outputs.drop(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._inflight)
+
+    @property
+    def num_inflight(self) -> int:
+        """Micro-batches issued to the stages whose sampled tokens are not back yet."""
+        return len(self._inflight)
+
+    # --- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        self._issue()
+        if not self._inflight:
+            return []
+        try:
+            microbatch, result = self.executor.wait_oldest()
+        except StageError:
+            self.shutdown()  # the pipeline is broken: release the stages, then report
+            raise
+        expected = self._inflight.popleft()
+        assert microbatch.microbatch_id == expected.microbatch_id, (microbatch, expected)
+        return self._apply(microbatch, result)
+
+    def _issue(self) -> None:
+        """Issue every micro-batch the scheduler can, up to the in-flight limit."""
+        while len(self._inflight) < self.max_inflight:
+            now = self.now()
+            self.recorder.before_schedule(now, self.scheduler)
+            microbatch = self.scheduler.schedule(now)
+            if microbatch is None:
+                self.recorder.idle(now, self.scheduler.idle_reason)
+                return
+            self.recorder.issued(microbatch, now)
+            self.executor.submit(microbatch)
+            self._inflight.append(microbatch)
+        # the in-flight limit holds the next micro-batch back
+        self.recorder.idle(self.now(), IDLE_DEPENDENCY)
+
+    def _apply(self, microbatch: MicroBatch, result: StepResult) -> list[RequestOutput]:
+        now = self.now()
+        self.recorder.completed(microbatch, result, now)
+        updated = self.scheduler.on_step_done(microbatch, result.sampled, now)
+        outputs = []
+        for seq_id, message in result.errors.items():
+            seq = self.scheduler.seqs.get(seq_id)
+            if seq is not None and not seq.is_finished:
+                self._fail(seq, message, now)
+                outputs.append(self._output(seq))
+        for seq in updated:
+            try:
+                if (stop := self.outputs.check_stop(seq)) is not None:
+                    self.scheduler.finish(seq, stop[0], now, stop[1])
+            except Exception as e:  # noqa: BLE001 - one request's failure stays its own
+                logger.exception("request %s failed", seq.request_id)
+                self._fail(seq, f"{type(e).__name__}: {e}", now)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _fail(self, seq: Sequence, message: str, now: float) -> None:
+        seq.error = message
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, now)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        out = self.outputs.output(seq)
+        if seq.is_finished:
+            self._requests.pop(seq.request_id, None)
+            self.recorder.finished(out)
+        return out
+
+    # --- records -------------------------------------------------------------------------
+    def start_run(self, run_dir: str | Path, overwrite: bool = False) -> None:
+        """Record from now on into a new run dir (``config.yaml`` with the scheduler in
+        force, a fresh event log), keeping the live stages: the serving benchmark gives
+        each scheduler its own run dir. Only while no request is unfinished."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("start_run needs an idle engine (requests are unfinished)")
+        self.recorder = RunRecorder(RunDir.prepare(run_dir, overwrite), self.resolved_config, self.now())
+
+    def write_run_records(self) -> dict[str, Any] | None:
+        """Write the run dir's records (``requests.csv``, ``events.jsonl``) and rebuild the
+        report files; the run's summary (``summary.json``), or ``None`` without a run dir."""
+        return self.recorder.write(self.now())
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

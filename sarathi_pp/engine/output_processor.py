@@ -1,0 +1,98 @@
+"""From sampled tokens to ``RequestOutput``: detokenization, stop checks, output building.
+
+The engine loop hands every sequence that received a token to ``check_stop``, which says
+whether and why it ends (EOS or a stop token, a stop string, ``max_tokens`` or
+``max_model_len``), and asks ``output`` for the ``RequestOutput`` the caller sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sarathi_pp.outputs import CompletionOutput, RequestOutput
+from sarathi_pp.sequence import Sequence, SequenceStatus
+from sarathi_pp.tokenizer import Detokenizer
+
+StopReason = int | str | None  # the stop token id, the stop string, or None
+
+
+@dataclass
+class _TextState:
+    stream: Any  # the detokenizer's incremental stream (None: decode the whole output)
+    text: str = ""
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, eos_token_ids: set[int], max_model_len: int) -> None:
+        self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self._text: dict[int, _TextState] = {}  # seq_id -> text so far
+
+    def add(self, seq: Sequence) -> None:
+        stream = self.detokenizer.new_stream() if self.detokenizer else None
+        self._text[seq.seq_id] = _TextState(stream)
+
+    def drop(self, seq: Sequence) -> None:
+        self._text.pop(seq.seq_id, None)
+
+    def check_stop(self, seq: Sequence) -> tuple[SequenceStatus, StopReason] | None:
+        """Update ``seq``'s text with its newest token; how it ends, or ``None``."""
+        token = seq.output_token_ids[-1]
+        p = seq.params
+        state = self._text[seq.seq_id]
+        if self.detokenizer is not None:
+            state.text += self._new_text(seq, state)
+        if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED, token
+        if p.stop and (hit := self._stop_string(seq, state)) is not None:
+            return SequenceStatus.FINISHED_STOPPED, hit
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH, None
+        return None
+
+    def _new_text(self, seq: Sequence, state: _TextState) -> str:
+        assert self.detokenizer is not None
+        if state.stream is not None:
+            return self.detokenizer.step(state.stream, seq.output_token_ids)
+        full = self.detokenizer.decode(seq.output_token_ids)
+        return full[len(state.text) :]
+
+    def _stop_string(self, seq: Sequence, state: _TextState) -> str | None:
+        # Only the tail can hold a new match: the text before it was checked already.
+        longest = max(len(s) for s in seq.params.stop)
+        tail_from = max(0, len(state.text) - longest - 16)
+        for s in seq.params.stop:
+            i = state.text.find(s, tail_from)
+            if i >= 0:
+                state.text = state.text[:i]  # as vLLM: the stop string is not in the output
+                return s
+        return None
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        """The request's output so far (the final one once ``seq`` is finished)."""
+        state = self._text.get(seq.seq_id)
+        text = state.text if state is not None else ""
+        if seq.is_finished:
+            self._text.pop(seq.seq_id, None)
+            if self.detokenizer is not None and not isinstance(seq.stop_reason, str):
+                # The stream holds back an incomplete UTF-8 tail; the final text has it all.
+                text = self.detokenizer.decode(seq.output_token_ids)
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.status.finish_reason,
+            stop_reason=seq.stop_reason,
+            error=seq.error,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            outputs=[completion],
+            finished=seq.is_finished,
+            metrics=seq.metrics,
+            error=seq.error,
+        )

@@ -1,0 +1,66 @@
+"""What the engine needs of an executor, and the registry it finds one in.
+
+An executor runs micro-batches on the pipeline's stages: ``uniproc`` (one stage in this
+process), ``ray`` (one actor per stage) or ``torchrun`` (one rank per stage). The engine
+reaches them by name through ``create_executor``, whose lazy imports keep the engine loop
+free of torch, torch.distributed and Ray (the simulator drives the same loop).
+
+Contract (``Executor``): ``placement`` is the resolved placement of the stages (the
+placement rule on the resources the executor sees); ``load_model()`` -> per-stage memory
+figures; ``init_kv_cache``; ``submit(microbatch)`` issues a micro-batch (it may run
+asynchronously); ``wait_oldest()`` returns the oldest outstanding micro-batch with its
+``StepResult``; micro-batches complete in issue order.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Protocol
+
+from sarathi_pp.config import EXECUTORS
+
+if TYPE_CHECKING:
+    from sarathi_pp.checkpoint import Checkpoint
+    from sarathi_pp.config import EngineConfig
+    from sarathi_pp.microbatch import MicroBatch, StepResult
+    from sarathi_pp.placement import Placement
+    from sarathi_pp.planner.memory import StageMemory
+
+
+class StageError(RuntimeError):
+    """A pipeline stage died, failed or timed out; the message names the stage."""
+
+    def __init__(self, stage_idx: int, message: str) -> None:
+        super().__init__(f"pipeline stage {stage_idx}: {message}")
+        self.stage_idx = stage_idx
+
+
+class Executor(Protocol):
+    placement: Placement
+
+    def load_model(self) -> list[StageMemory]: ...
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
+    def submit(self, microbatch: MicroBatch) -> None: ...
+    def wait_oldest(self) -> tuple[MicroBatch, StepResult]: ...
+    def shutdown(self) -> None: ...
+
+
+# Name -> "module:class"; the names are config.EXECUTORS (less "auto", which the config
+# resolves), so a config can be checked without importing any executor.
+_EXECUTORS = {
+    "uniproc": "sarathi_pp.executors.uniproc:UniprocExecutor",
+    "ray": "sarathi_pp.executors.ray:RayExecutor",
+    "torchrun": "sarathi_pp.executors.torchrun:TorchrunExecutor",
+}
+assert set(_EXECUTORS) == set(EXECUTORS) - {"auto"}, (_EXECUTORS, EXECUTORS)
+
+
+def executor_names() -> list[str]:
+    return list(_EXECUTORS)
+
+
+def create_executor(name: str, config: EngineConfig, checkpoint: Checkpoint) -> Executor:
+    if name not in _EXECUTORS:
+        raise ValueError(f"unknown executor {name!r}; valid: {', '.join(_EXECUTORS)}")
+    module, _, cls = _EXECUTORS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)(config, checkpoint)

@@ -1,0 +1,193 @@
+"""Pipeline parallelism under torchrun: one rank per stage, rank 0 drives.
+
+Rank 0 hosts the engine (with the scheduler) and stage 0 through ``TorchrunExecutor``;
+ranks 1..P-1 each run one stage in ``serve_stage``. ``python -m sarathi_pp.launch.torchrun``
+starts both sides.
+
+Process groups (every rank joins them in ``join_pipeline``, in the same order): the default
+group (from torchrun's environment; NCCL on CUDA, gloo on CPU) is the data plane for hidden
+states. Three gloo side groups form the control plane (``ControlPlane``): rank 0 sends each
+micro-batch to every rank on ``microbatches``; the last rank sends each micro-batch's
+sampled tokens, or its error, back to rank 0 on ``results``; middle ranks send their timing
+on ``events``. A middle rank that fails exits; the stage after it then fails its receive
+(closed connection or timeout, naming the stages) and that error travels to rank 0 the
+same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from sarathi_pp.checkpoint import Checkpoint, load_checkpoint
+from sarathi_pp.comm.dist_setup import pick_backend
+from sarathi_pp.comm.objects import ObjectChannel
+from sarathi_pp.comm.p2p import StageCommError
+from sarathi_pp.config import EngineConfig
+from sarathi_pp.events import StageEvent
+from sarathi_pp.executors.base import StageError
+from sarathi_pp.microbatch import MicroBatch, StepResult
+from sarathi_pp.placement import Placement, Resources, resolve_placement
+from sarathi_pp.planner.memory import StageMemory
+from sarathi_pp.stages.device import probe_resources
+from sarathi_pp.stages.pipeline_stage import PipelineStage
+from sarathi_pp.stages.worker import StageSpec
+
+
+@dataclass
+class ControlPlane:
+    microbatches: ObjectChannel  # rank 0 -> every other rank
+    results: ObjectChannel  # last rank -> rank 0: sampled tokens or the error
+    events: ObjectChannel  # middle ranks -> rank 0: their timing of each micro-batch
+    setup: object  # gloo group for the one-off collectives of set-up
+
+
+def check_world_size(config: EngineConfig) -> None:
+    """``ValueError`` unless torchrun started one rank per stage."""
+    world = int(os.environ["WORLD_SIZE"])
+    num_stages = config.parallel.pipeline_parallel_size
+    if world != num_stages:
+        raise ValueError(
+            f"torchrun started {world} processes but pipeline_parallel_size={num_stages}: "
+            f"use --nproc-per-node {num_stages} (one rank per stage)"
+        )
+
+
+def torchrun_resources() -> Resources:
+    """This node as the placement rule sees it: the stages get CUDA devices when every
+    local rank can have one (``LOCAL_WORLD_SIZE`` devices)."""
+    local = probe_resources()
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    num_cuda = world if local.num_cuda_devices >= local_world else local.num_cuda_devices
+    return dataclasses.replace(local, num_cuda_devices=num_cuda, description="this torchrun node")
+
+
+def join_pipeline(config: EngineConfig, placement: Placement) -> ControlPlane:
+    """Join torchrun's process group (the data plane) and create the control plane."""
+    t = config.parallel.stage_timeout_s
+    timeout = timedelta(seconds=t)
+    dist.init_process_group(backend=pick_backend(placement.device), timeout=timeout)
+    return ControlPlane(
+        microbatches=ObjectChannel(dist.new_group(backend="gloo", timeout=timeout), t),
+        results=ObjectChannel(dist.new_group(backend="gloo", timeout=timeout), t),
+        events=ObjectChannel(dist.new_group(backend="gloo", timeout=timeout), t),
+        setup=dist.new_group(backend="gloo", timeout=timeout),
+    )
+
+
+def _make_stage(
+    config: EngineConfig, checkpoint: Checkpoint, placement: Placement, rank: int
+) -> PipelineStage:
+    device = placement.device
+    if device == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
+    stage = PipelineStage(StageSpec.of(placement, rank, device), checkpoint, config.parallel)
+    stage.attach_transport()
+    return stage
+
+
+class TorchrunExecutor:
+    """Rank 0's executor: runs stage 0 itself, drives the other ranks over the control plane."""
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
+        if "RANK" not in os.environ:
+            raise RuntimeError(
+                "the torchrun executor runs under `torchrun ... -m sarathi_pp.launch.torchrun`"
+            )
+        if int(os.environ["RANK"]) != 0:
+            raise RuntimeError("only rank 0 drives the pipeline; the others run serve_stage")
+        check_world_size(config)
+        self.num_stages = config.parallel.pipeline_parallel_size
+        self.placement = resolve_placement(config, checkpoint.spec, torchrun_resources())
+        self.control = join_pipeline(config, self.placement)
+        self.stage = _make_stage(config, checkpoint, self.placement, rank=0)
+        self._inflight: deque[tuple[MicroBatch, StepResult | None, StageEvent]] = deque()
+        self._closed = False
+
+    def load_model(self) -> list[StageMemory]:
+        memories: list = [None] * self.num_stages
+        dist.all_gather_object(memories, self.stage.load_model(), group=self.control.setup)
+        return memories
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        dist.broadcast_object_list([(num_blocks, block_size)], src=0, group=self.control.setup)
+        self.stage.init_kv_cache(num_blocks, block_size)
+
+    def submit(self, microbatch: MicroBatch) -> None:
+        for rank in range(1, self.num_stages):
+            self.control.microbatches.send(microbatch, rank)
+        self._inflight.append((microbatch, *self.stage.run(microbatch)))
+
+    def wait_oldest(self) -> tuple[MicroBatch, StepResult]:
+        microbatch, local, event = self._inflight.popleft()
+        if local is not None:  # a single stage: rank 0 is also the last
+            local.events = [event]
+            return microbatch, local
+        last = self.num_stages - 1
+        mb_id = microbatch.microbatch_id
+        try:
+            message = self.control.results.recv(last, f"micro-batch {mb_id}'s tokens")
+        except StageCommError as e:  # the last rank died or the wait timed out
+            raise StageError(last, str(e)) from e
+        kind, stage_idx, got_id, payload = message
+        if kind == "error":
+            raise StageError(stage_idx, f"micro-batch {got_id} failed: {payload}")
+        if got_id != mb_id:
+            raise StageError(stage_idx, f"sent micro-batch {got_id}, expected {mb_id}")
+        result, last_event = payload
+        # Middle ranks sent their timing of this micro-batch before the last could finish it.
+        middle = [self.control.events.recv(r, "stage timing") for r in range(1, last)]
+        result.events = [event, *middle, last_event]
+        return microbatch, result
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for rank in range(1, self.num_stages):
+                self.control.microbatches.send(None, rank)
+            self.control.microbatches.flush()
+        except Exception:  # noqa: BLE001 - the others may be gone already
+            pass
+        self.stage.shutdown()
+
+
+def resolve_stage(config: EngineConfig) -> tuple[Checkpoint, Placement]:
+    """What ``serve_stage`` runs; bad settings raise here, before any group is joined."""
+    check_world_size(config)
+    checkpoint = load_checkpoint(config.model)
+    return checkpoint, resolve_placement(config, checkpoint.spec, torchrun_resources())
+
+
+def serve_stage(config: EngineConfig, rank: int, checkpoint: Checkpoint, placement: Placement) -> None:
+    """Ranks 1..P-1: run one stage on every micro-batch rank 0 sends, until ``None``."""
+    control = join_pipeline(config, placement)
+    stage = _make_stage(config, checkpoint, placement, rank)
+    dist.all_gather_object([None] * placement.num_stages, stage.load_model(), group=control.setup)
+    box: list = [None]
+    dist.broadcast_object_list(box, src=0, group=control.setup)
+    stage.init_kv_cache(*box[0])
+    is_last = stage.stage.is_last
+    while (microbatch := control.microbatches.recv(0, "the next micro-batch")) is not None:
+        mb_id = microbatch.microbatch_id
+        try:
+            result, event = stage.run(microbatch)
+        except Exception as e:
+            if is_last:  # rank 0 waits on the last rank: tell it what failed
+                control.results.send(("error", rank, mb_id, f"{type(e).__name__}: {e}"), 0)
+                control.results.flush()
+            raise
+        if is_last:
+            control.results.send(("ok", rank, mb_id, (result, event)), 0)
+        else:
+            control.events.send(event, 0)
+    control.events.flush()
+    control.results.flush()
+    stage.shutdown()

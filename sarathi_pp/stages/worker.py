@@ -1,0 +1,141 @@
+"""``StageWorker``: one stage's layers and KV cache, run on one micro-batch at a time.
+
+The same class runs in-process (one stage), inside a Ray actor, or inside a torchrun rank:
+it only needs a micro-batch and, on stages after the first, the hidden states received from
+the previous stage. ``stages/metadata.py`` turns the micro-batch into tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sarathi_pp.microbatch import MicroBatch, StepResult
+from sarathi_pp.model_spec import ModelSpec
+from sarathi_pp.placement import Placement
+from sarathi_pp.planner.memory import StageMemory
+from sarathi_pp.stages.attention import ATTENTION_BACKENDS, select_backend
+from sarathi_pp.stages.kv_cache import KVCache
+from sarathi_pp.stages.metadata import build_metadata, sample_rows
+from sarathi_pp.stages.model import StageModel
+from sarathi_pp.stages.sampler import INVALID_TOKEN, sample
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Where a stage sits in the pipeline and what it runs on."""
+
+    stage_idx: int
+    num_stages: int
+    layer_start: int
+    layer_end: int
+    dtype: str  # resolved: float32 / bfloat16 / float16
+    device: str  # resolved: cpu / cuda / cuda:N
+    memory_bytes: int  # M_G: what the stage may use for parameters + KV cache
+    num_threads: int | None = None  # CPU intra-op threads; None: torch's default
+
+    @classmethod
+    def of(cls, placement: Placement, stage_idx: int, device: str | None = None) -> StageSpec:
+        """Stage ``stage_idx`` of ``placement`` (``device``: a specific one, e.g. ``cuda:1``)."""
+        start, end = placement.layer_ranges[stage_idx]
+        return cls(
+            stage_idx, placement.num_stages, start, end, placement.dtype,
+            device or placement.device, placement.memory_bytes, placement.num_threads,
+        )  # fmt: skip
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_idx == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_idx == self.num_stages - 1
+
+
+class StageWorker:
+    def __init__(self, spec: ModelSpec, model_dir: str | Path, stage: StageSpec, max_model_len: int) -> None:
+        self.spec = spec
+        self.stage = stage
+        self.device = torch.device(stage.device)
+        self.dtype = TORCH_DTYPES[stage.dtype]
+        self.max_model_len = max_model_len
+        self.model_dir = str(model_dir)
+        self.model: StageModel | None = None
+        self.kv: KVCache | None = None
+        self.backend = "torch"
+
+    # --- set-up, in two steps: weights first, then the KV cache sized from what is left ---
+    def load_model(self) -> int:
+        """Load this stage's weights; returns their size in bytes (M_S)."""
+        s = self.stage
+        self.model = StageModel(
+            self.spec, self.model_dir, s.layer_start, s.layer_end, s.is_first, s.is_last,
+            self.dtype, self.device, max_positions=self.max_model_len + 1,
+        )
+        return self.model.param_bytes()
+
+    def memory(self, param_bytes: int) -> StageMemory:
+        """This stage's M_S (``param_bytes``, as loaded), m_kv and M_G (the placement's)."""
+        s = self.stage
+        m_kv = self.spec.kv_bytes_per_token(s.layer_end - s.layer_start, s.dtype)
+        return StageMemory(s.stage_idx, param_bytes, m_kv, s.memory_bytes)
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        assert self.model is not None
+        s = self.spec
+        self.kv = KVCache(
+            self.model.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, self.dtype, self.device
+        )
+        self.block_size = block_size
+        self.backend = select_backend(self.device, block_size)
+        if self.backend != "torch":
+            attention = ATTENTION_BACKENDS[self.backend](s.num_heads, s.num_kv_heads, s.head_dim)
+            for layer in self.model.layers:
+                layer.attention = attention
+
+    # --- one micro-batch -------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, microbatch: MicroBatch, hidden: torch.Tensor | None = None):
+        """Run this stage on ``microbatch``. Returns hidden states ``[num_tokens, hidden]`` for the
+        next stage, or on the last stage the sampled tokens ``{seq_id: token_id}``."""
+        assert self.model is not None and self.kv is not None, "load_model/init_kv_cache first"
+        token_ids, meta = build_metadata(microbatch, self.block_size, self.device, self.backend)
+        if self.stage.is_first:
+            inputs = token_ids
+        else:
+            if hidden is None or hidden.shape != (microbatch.num_tokens, self.spec.hidden_size):
+                got = None if hidden is None else tuple(hidden.shape)
+                raise ValueError(
+                    f"stage {self.stage.stage_idx}: micro-batch {microbatch.microbatch_id} expects hidden "
+                    f"[{microbatch.num_tokens}, {self.spec.hidden_size}], got {got}"
+                )
+            inputs = hidden
+        out = self.model.forward(inputs, meta, self.kv)
+        if not self.stage.is_last:
+            return out
+        return self._sample(microbatch, out)
+
+    def _sample(self, microbatch: MicroBatch, hidden: torch.Tensor) -> dict[int, int]:
+        rows = sample_rows(microbatch)
+        if not rows:
+            return {}
+        chunks = [c for c in microbatch.chunks if c.do_sample]
+        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+        params = [c.sampling_params for c in chunks]
+        tokens = sample(logits, params, [c.num_output_tokens for c in chunks])
+        return {c.seq_id: t for c, t in zip(chunks, tokens)}
+
+
+def to_step_result(sampled: dict[int, int]) -> StepResult:
+    """Split the last stage's tokens into samples and per-request failures."""
+    result = StepResult()
+    for seq_id, token in sampled.items():
+        if token == INVALID_TOKEN:
+            result.errors[seq_id] = "the model produced non-finite logits"
+        else:
+            result.sampled[seq_id] = token
+    return result
