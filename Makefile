@@ -44,5 +44,8 @@ bench: venv
 test: venv
 	$(PY) -m pytest -q
 
+# ruff (lint + format) and the import contracts of pyproject.toml (lint-imports).
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports

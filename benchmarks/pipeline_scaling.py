@@ -125,7 +125,9 @@ class RunResult:
     stage_nice: list[int] = field(default_factory=list)
     stage_spans: list[dict[str, list[Span]]] = field(default_factory=list)  # per stage
     driver_spans: dict[str, list[Span]] = field(default_factory=dict)
-    microbatches: list[tuple[str, int]] = field(default_factory=list)  # (kind, num_tokens) per micro-batch
+    microbatches: list[tuple[str, int]] = field(
+        default_factory=list
+    )  # (kind, num_tokens) per micro-batch
 
 
 def install_driver_probes(llm: LLM, result: RunResult) -> None:
@@ -303,7 +305,9 @@ def print_stages(runs: list[RunResult]) -> None:
 def print_kinds(runs: list[RunResult]) -> None:
     """Micro-batches by kind, with each stage's compute on them: more in-flight micro-batches split
     the same decodes over more micro-batches (a sequence is in at most one micro-batch at a time)."""
-    print(f"{'micro-batches':<6} {'kind':<8} {'count':>6} {'tokens':>7}  compute s per stage (ms/micro-batch)")
+    print(
+        f"{'micro-batches':<6} {'kind':<8} {'count':>6} {'tokens':>7}  compute s per stage (ms/micro-batch)"
+    )
     for r in runs:
         for kind in ("prefill", "hybrid", "decode"):
             idx = [i for i, (k, _) in enumerate(r.microbatches) if k == kind]

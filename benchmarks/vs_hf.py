@@ -122,7 +122,9 @@ def from_outputs(name: str, outputs: list[RequestOutput]) -> RunResult:
 
 
 def plan_flops(spec: ModelSpec, microbatch: MicroBatch) -> int:
-    return sum(chunk_flops(spec, c.start, c.num_tokens, int(c.do_sample)) for c in microbatch.chunks)
+    return sum(
+        chunk_flops(spec, c.start, c.num_tokens, int(c.do_sample)) for c in microbatch.chunks
+    )
 
 
 def workload_flops(spec: ModelSpec, requests: list[BenchRequest]) -> int:

@@ -157,7 +157,11 @@ class ParallelConfig:
         _check_opt_int("num_threads_per_stage", self.num_threads_per_stage, 1)
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
-        if isinstance(self.stage_timeout_s, bool) or not isinstance(self.stage_timeout_s, (int, float)) or self.stage_timeout_s <= 0:
+        if (
+            isinstance(self.stage_timeout_s, bool)
+            or not isinstance(self.stage_timeout_s, (int, float))
+            or self.stage_timeout_s <= 0
+        ):
             raise ValueError(f"stage_timeout_s must be a number > 0, got {self.stage_timeout_s!r}")
 
     @property
@@ -279,7 +283,9 @@ def _apply(tree: dict[str, dict[str, Any]], overrides: dict[str, Any]) -> Engine
                 f"unknown keyword {key!r}; allowed: {', '.join(FLAT_KEYS)} or 'section.key'"
             )
         if (section, name) in seen:
-            raise ValueError(f"{key!r} and {seen[section, name]!r} set the same key {section}.{name}")
+            raise ValueError(
+                f"{key!r} and {seen[section, name]!r} set the same key {section}.{name}"
+            )
         seen[section, name] = key
         tree.setdefault(section, {})[name] = value
     return _build(tree)

@@ -69,8 +69,13 @@ class EventLog:
     def __init__(self, num_stages: int, t0: float, config: dict[str, Any]) -> None:
         self.t0 = t0
         self.records: list[dict[str, Any]] = [
-            {"type": "header", "schema_version": SCHEMA_VERSION, "num_stages": num_stages,
-             "t0": t0, "config": config}
+            {
+                "type": "header",
+                "schema_version": SCHEMA_VERSION,
+                "num_stages": num_stages,
+                "t0": t0,
+                "config": config,
+            }
         ]
         self._idle_since: tuple[float, str] | None = None
         self._chunk_size: int | None = None  # the last chunk_size recorded
@@ -80,8 +85,16 @@ class EventLog:
 
     def issue(self, mb: int, t: float, kind: str, num_prefill: int, num_decode: int) -> None:
         self.end_idle(t)
-        self.records.append({"type": "issue", "mb": mb, "t": t - self.t0, "kind": kind,
-                             "num_prefill_tokens": num_prefill, "num_decode_tokens": num_decode})
+        self.records.append(
+            {
+                "type": "issue",
+                "mb": mb,
+                "t": t - self.t0,
+                "kind": kind,
+                "num_prefill_tokens": num_prefill,
+                "num_decode_tokens": num_decode,
+            }
+        )
 
     def idle(self, t: float, reason: str) -> None:
         """The scheduler has nothing to issue from ``t`` on (until the next ``issue``)."""
@@ -94,7 +107,9 @@ class EventLog:
         if self._idle_since is not None:
             start, reason = self._idle_since
             if t > start:
-                self.records.append({"type": "idle", "start": start - self.t0, "end": t - self.t0, "reason": reason})
+                self.records.append(
+                    {"type": "idle", "start": start - self.t0, "end": t - self.t0, "reason": reason}
+                )
             self._idle_since = None
 
     def done(self, mb: int, t: float) -> None:

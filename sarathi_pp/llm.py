@@ -81,7 +81,9 @@ class LLM:
             raise ValueError(f"got {len(sp)} sampling params for {n} prompts")
         for i, p in enumerate(sp):
             if not isinstance(p, SamplingParams):
-                raise TypeError(f"sampling_params[{i}] must be SamplingParams, got {type(p).__name__}")
+                raise TypeError(
+                    f"sampling_params[{i}] must be SamplingParams, got {type(p).__name__}"
+                )
         return sp
 
     def _prepare(self, index: int, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -100,7 +102,9 @@ class LLM:
         elif isinstance(prompt, (list, tuple)):
             text, token_ids = None, list(prompt)
         else:
-            raise TypeError(f"{where} must be a string, a token id list or a dict, got {type(prompt).__name__}")
+            raise TypeError(
+                f"{where} must be a string, a token id list or a dict, got {type(prompt).__name__}"
+            )
         self.engine.validate_prompt(token_ids, where)
         return text, token_ids
 
@@ -109,7 +113,9 @@ class LLM:
 
         pending = set(ids)
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2, unit="req")
+        bar = tqdm(
+            total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2, unit="req"
+        )
         try:
             while pending:
                 for out in self.engine.step():

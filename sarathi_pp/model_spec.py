@@ -81,7 +81,12 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, str, dict[str, Any]]:
     if rope_type == "linear" and "factor" not in params:
         raise ValueError("rope type 'linear' needs a 'factor'")
     if rope_type == "llama3":
-        needed = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        needed = (
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        )
         missing = [k for k in needed if k not in params]
         if missing:
             raise ValueError(f"rope type 'llama3' lacks {', '.join(missing)}")
@@ -92,14 +97,24 @@ def spec_from_dict(cfg: dict[str, Any], source: str = "config.json") -> ModelSpe
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
     if arch is None:
-        by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        by_type = {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+        }
         arch = by_type.get(cfg.get("model_type", ""))
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    ):
         if key not in cfg:
             raise ValueError(f"{source}: missing {key!r}")
     heads = int(cfg["num_attention_heads"])

@@ -52,7 +52,9 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be 0 or -1 (off) or a positive integer, got {self.top_k!r}")
+            raise ValueError(
+                f"top_k must be 0 or -1 (off) or a positive integer, got {self.top_k!r}"
+            )
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         for s in self.stop:

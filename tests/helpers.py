@@ -75,7 +75,9 @@ def _qwen2() -> Qwen2Config:
 
 def _qwen2_deep() -> Qwen2Config:
     # Four layers: enough for a 4-stage pipeline, whose last stage needs the tied embedding.
-    return Qwen2Config(**{**TINY_DIMS, "num_hidden_layers": 4}, tie_word_embeddings=True, use_sliding_window=False)
+    return Qwen2Config(
+        **{**TINY_DIMS, "num_hidden_layers": 4}, tie_word_embeddings=True, use_sliding_window=False
+    )
 
 
 # name -> (config factory, seed, max_shard_size or None). Distinct seeds: Mistral without a

@@ -125,4 +125,3 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
-

@@ -85,7 +85,9 @@ class LLMEngine:
     spec = property(lambda self: self.checkpoint.spec)
     model_dir = property(lambda self: self.checkpoint.path)
     max_model_len = property(lambda self: self.checkpoint.max_model_len)
-    run_dir = property(lambda self: None if self.recorder.run_dir is None else self.recorder.run_dir.path)
+    run_dir = property(
+        lambda self: None if self.recorder.run_dir is None else self.recorder.run_dir.path
+    )
 
     @property
     def resolved_config(self) -> EngineConfig:
@@ -252,7 +254,9 @@ class LLMEngine:
         each scheduler its own run dir. Only while no request is unfinished."""
         if self.has_unfinished_requests():
             raise RuntimeError("start_run needs an idle engine (requests are unfinished)")
-        self.recorder = RunRecorder(RunDir.prepare(run_dir, overwrite), self.resolved_config, self.now())
+        self.recorder = RunRecorder(
+            RunDir.prepare(run_dir, overwrite), self.resolved_config, self.now()
+        )
 
     def write_run_records(self) -> dict[str, Any] | None:
         """Write the run dir's records (``requests.csv``, ``events.jsonl``) and rebuild the

@@ -39,7 +39,9 @@ def _ray():
     try:
         import ray
     except ImportError as e:  # pragma: no cover - ray is a declared dependency
-        raise ImportError("pipeline parallelism on Ray needs ray: pip install 'ray[default]'") from e
+        raise ImportError(
+            "pipeline parallelism on Ray needs ray: pip install 'ray[default]'"
+        ) from e
     return ray
 
 
@@ -94,7 +96,9 @@ class RayExecutor:
             self.shutdown()
             raise
 
-    def _create_actors(self, config: EngineConfig, checkpoint: Checkpoint, placement: Placement) -> None:
+    def _create_actors(
+        self, config: EngineConfig, checkpoint: Checkpoint, placement: Placement
+    ) -> None:
         ray = self._ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -119,8 +123,10 @@ class RayExecutor:
             strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)
             self.actors.append(
                 actor_cls.options(
-                    num_cpus=cpus, num_gpus=1 if device == "cuda" else 0,
-                    scheduling_strategy=strategy, name=None,
+                    num_cpus=cpus,
+                    num_gpus=1 if device == "cuda" else 0,
+                    scheduling_strategy=strategy,
+                    name=None,
                 ).remote(StageSpec.of(placement, i), checkpoint, config.parallel)
             )
         addr, port = self._get([self.actors[0].address.remote()], "rendezvous")[0]
@@ -151,9 +157,13 @@ class RayExecutor:
             try:
                 out.append(ray.get(ref, timeout=self.timeout_s))
             except GetTimeoutError:
-                raise StageError(stage_idx, f"{what}: no answer within {self.timeout_s:g} s") from None
+                raise StageError(
+                    stage_idx, f"{what}: no answer within {self.timeout_s:g} s"
+                ) from None
             except RayActorError as e:
-                raise StageError(stage_idx, f"{what}: the stage actor died ({e.__class__.__name__})") from e
+                raise StageError(
+                    stage_idx, f"{what}: the stage actor died ({e.__class__.__name__})"
+                ) from e
             except RayTaskError as e:
                 raise StageError(stage_idx, f"{what} failed: {e.cause!r}") from e
         return out
@@ -189,7 +199,8 @@ class RayExecutor:
             if not ready:
                 late = min(index[r] for r in remaining)
                 raise StageError(
-                    late, f"micro-batch {microbatch.microbatch_id}: no result within {self.timeout_s:g} s"
+                    late,
+                    f"micro-batch {microbatch.microbatch_id}: no result within {self.timeout_s:g} s",
                 )
             for ref in ready:
                 self._get_one(index[ref], ref, microbatch)
@@ -201,9 +212,13 @@ class RayExecutor:
         try:
             return self._ray.get(ref)
         except RayActorError as e:
-            raise StageError(stage_idx, f"micro-batch {microbatch.microbatch_id}: the stage actor died") from e
+            raise StageError(
+                stage_idx, f"micro-batch {microbatch.microbatch_id}: the stage actor died"
+            ) from e
         except RayTaskError as e:
-            raise StageError(stage_idx, f"micro-batch {microbatch.microbatch_id} failed: {e.cause!r}") from e
+            raise StageError(
+                stage_idx, f"micro-batch {microbatch.microbatch_id} failed: {e.cause!r}"
+            ) from e
 
     def shutdown(self) -> None:
         ray = self._ray

@@ -166,7 +166,9 @@ def resolve_stage(config: EngineConfig) -> tuple[Checkpoint, Placement]:
     return checkpoint, resolve_placement(config, checkpoint.spec, torchrun_resources())
 
 
-def serve_stage(config: EngineConfig, rank: int, checkpoint: Checkpoint, placement: Placement) -> None:
+def serve_stage(
+    config: EngineConfig, rank: int, checkpoint: Checkpoint, placement: Placement
+) -> None:
     """Ranks 1..P-1: run one stage on every micro-batch rank 0 sends, until ``None``."""
     control = join_pipeline(config, placement)
     stage = _make_stage(config, checkpoint, placement, rank)

@@ -54,9 +54,7 @@ def write_files(report: RunReport, plot: bool = True) -> list[Path]:
         try:
             from sarathi_pp.report.timeline import draw_timeline
 
-            draw_timeline(
-                report.log, report.analysis, d.timeline, title=timeline_title(report)
-            )
+            draw_timeline(report.log, report.analysis, d.timeline, title=timeline_title(report))
             written.append(d.timeline)
         except ImportError:
             warnings.warn(

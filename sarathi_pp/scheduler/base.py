@@ -206,9 +206,7 @@ class Scheduler(ABC):
         return True
 
     def _pick_victim(self, protected: set[int]) -> Sequence | None:
-        candidates = [
-            s for s in self.running if s.num_inflight == 0 and s.seq_id not in protected
-        ]
+        candidates = [s for s in self.running if s.num_inflight == 0 and s.seq_id not in protected]
         return max(candidates, key=lambda s: s.admit_order, default=None)
 
     def _preempt(self, seq: Sequence) -> None:

@@ -12,7 +12,9 @@ class SimpleChunkingScheduler(SarathiScheduler):
 
     def _select(self, now: float) -> Selection:
         decodes_first = self._last_was_prefill or not self._has_prefill_work(now)
-        order = (self._decodes, self._prefills) if decodes_first else (self._prefills, self._decodes)
+        order = (
+            (self._decodes, self._prefills) if decodes_first else (self._prefills, self._decodes)
+        )
         for pick in order:
             selection = pick(now)
             if selection:

@@ -93,7 +93,9 @@ def build_metadata(
     return tokens, meta
 
 
-def _add_flash_metadata(meta: AttentionMetadata, microbatch: MicroBatch, device: torch.device) -> None:
+def _add_flash_metadata(
+    meta: AttentionMetadata, microbatch: MicroBatch, device: torch.device
+) -> None:
     chunks = list(microbatch.chunks)  # prefills first, then decodes: the same order as the rows
     max_blocks = max(len(c.block_table) for c in chunks)
     tables = [list(c.block_table) + [0] * (max_blocks - len(c.block_table)) for c in chunks]

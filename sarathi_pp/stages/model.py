@@ -31,10 +31,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class DecoderLayer:
     def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], prefix: str, attention) -> None:
         g = lambda k: w[f"{prefix}.{k}"]  # noqa: E731
-        self.qkv = torch.cat([g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"), g("self_attn.v_proj.weight")])
+        self.qkv = torch.cat(
+            [
+                g("self_attn.q_proj.weight"),
+                g("self_attn.k_proj.weight"),
+                g("self_attn.v_proj.weight"),
+            ]
+        )
         self.qkv_bias = None
         if spec.attention_bias:
-            self.qkv_bias = torch.cat([g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"), g("self_attn.v_proj.bias")])
+            self.qkv_bias = torch.cat(
+                [g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"), g("self_attn.v_proj.bias")]
+            )
         self.o = g("self_attn.o_proj.weight")
         self.gate_up = torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")])
         self.down = g("mlp.down_proj.weight")
@@ -87,8 +95,13 @@ class StageModel:
         self.embed = w.get(EMBED)
         self.norm = w.get(NORM)
         self.lm_head = w.get(LM_HEAD, self.embed) if is_last else None
-        attention = ATTENTION_BACKENDS[attention_backend](spec.num_heads, spec.num_kv_heads, spec.head_dim)
-        self.layers = [DecoderLayer(spec, w, f"model.layers.{i}", attention) for i in range(layer_start, layer_end)]
+        attention = ATTENTION_BACKENDS[attention_backend](
+            spec.num_heads, spec.num_kv_heads, spec.head_dim
+        )
+        self.layers = [
+            DecoderLayer(spec, w, f"model.layers.{i}", attention)
+            for i in range(layer_start, layer_end)
+        ]
         self.rope = RotaryEmbedding(spec, max_positions, dtype, device)
         self.dtype, self.device = dtype, device
 

@@ -54,14 +54,24 @@ class PipelineStage:
     def init_group(self, master_addr: str, master_port: int) -> None:
         """Join the stages' process group (every stage calls this at once)."""
         s = self.stage
-        init_stage_group(s.stage_idx, s.num_stages, master_addr, master_port, pick_backend(s.device), self.timeout_s)
+        init_stage_group(
+            s.stage_idx,
+            s.num_stages,
+            master_addr,
+            master_port,
+            pick_backend(s.device),
+            self.timeout_s,
+        )
         self.attach_transport()
 
     def attach_transport(self) -> None:
         """Talk to the neighbours over the (already initialised) default process group."""
         s = self.stage
         self.transport = StageTransport(
-            s.stage_idx, s.num_stages, s.device, self.timeout_s,
+            s.stage_idx,
+            s.num_stages,
+            s.device,
+            self.timeout_s,
             max_pending_sends=self.max_pending_sends,
         )
 
@@ -82,7 +92,12 @@ class PipelineStage:
         arrived = time.monotonic()  # stage 0: the micro-batch is here; s > 0: now wait for input
         hidden = None
         if not s.is_first:
-            hidden = self.transport.recv(microbatch.microbatch_id, microbatch.num_tokens, self.spec.hidden_size, self.worker.dtype)
+            hidden = self.transport.recv(
+                microbatch.microbatch_id,
+                microbatch.num_tokens,
+                self.spec.hidden_size,
+                self.worker.dtype,
+            )
         compute_start = time.monotonic()
         out = self.worker.execute(microbatch, hidden)
         compute_end = time.monotonic()
@@ -92,11 +107,20 @@ class PipelineStage:
         else:
             self.transport.send(microbatch.microbatch_id, out)
         self._free_since = time.monotonic()
-        input_ready = arrived if s.is_first else compute_start  # the micro-batch / the hidden states
+        input_ready = (
+            arrived if s.is_first else compute_start
+        )  # the micro-batch / the hidden states
         event = StageEvent(
-            s.stage_idx, microbatch.microbatch_id, microbatch.kind, microbatch.num_prefill_tokens,
-            microbatch.num_decode_tokens, min(wait_start, arrived), input_ready,
-            compute_start, compute_end, self._free_since,
+            s.stage_idx,
+            microbatch.microbatch_id,
+            microbatch.kind,
+            microbatch.num_prefill_tokens,
+            microbatch.num_decode_tokens,
+            min(wait_start, arrived),
+            input_ready,
+            compute_start,
+            compute_end,
+            self._free_since,
         )
         return result, event
 

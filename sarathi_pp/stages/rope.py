@@ -36,7 +36,9 @@ def _llama3(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
 class RotaryEmbedding:
     """cos/sin tables for positions ``[0, max_positions)``, looked up per row."""
 
-    def __init__(self, spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, spec: ModelSpec, max_positions: int, dtype: torch.dtype, device: torch.device
+    ):
         inv_freq = inv_frequencies(spec)
         pos = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(pos, inv_freq)  # [positions, head_dim / 2], float32 like HF

@@ -22,7 +22,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_outputs: list
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
         probs = _filtered_probs(logits[idx], [params[i] for i in random_rows])
-        tokens[idx] = _draw(probs, [params[i] for i in random_rows], [num_outputs[i] for i in random_rows])
+        tokens[idx] = _draw(
+            probs, [params[i] for i in random_rows], [num_outputs[i] for i in random_rows]
+        )
     bad = ~torch.isfinite(logits).all(dim=-1)
     tokens[bad] = INVALID_TOKEN
     return tokens.tolist()
@@ -46,7 +48,9 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits.softmax(dim=-1))
 
 
-def _draw(probs: torch.Tensor, params: list[SamplingParams], num_outputs: list[int]) -> torch.Tensor:
+def _draw(
+    probs: torch.Tensor, params: list[SamplingParams], num_outputs: list[int]
+) -> torch.Tensor:
     probs = torch.nan_to_num(probs, nan=0.0)
     ok = probs.sum(dim=-1) > 0
     safe = torch.where(ok.unsqueeze(1), probs, torch.ones_like(probs))

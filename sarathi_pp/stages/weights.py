@@ -42,7 +42,11 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
         return {name: d / fname for name, fname in weight_map.items()}
     files = sorted(d.glob("*.safetensors"))
     if not files:
-        extra = " (only PyTorch .bin weights found; convert them to safetensors)" if list(d.glob("*.bin")) else ""
+        extra = (
+            " (only PyTorch .bin weights found; convert them to safetensors)"
+            if list(d.glob("*.bin"))
+            else ""
+        )
         raise FileNotFoundError(f"model directory {str(d)!r} has no safetensors weights{extra}")
     names: dict[str, Path] = {}
     for f in files:
@@ -73,7 +77,9 @@ def load_tensors(
     where = weight_files(model_dir)
     missing = [n for n in names if n not in where]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        shown = ", ".join(missing[:5]) + (
+            f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        )
         raise ValueError(f"model directory {str(model_dir)!r} lacks weights: {shown}")
     by_file: dict[Path, list[str]] = {}
     for n in names:

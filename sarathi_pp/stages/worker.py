@@ -57,7 +57,9 @@ class StageSpec:
 
 
 class StageWorker:
-    def __init__(self, spec: ModelSpec, model_dir: str | Path, stage: StageSpec, max_model_len: int) -> None:
+    def __init__(
+        self, spec: ModelSpec, model_dir: str | Path, stage: StageSpec, max_model_len: int
+    ) -> None:
         self.spec = spec
         self.stage = stage
         self.device = torch.device(stage.device)
@@ -73,8 +75,15 @@ class StageWorker:
         """Load this stage's weights; returns their size in bytes (M_S)."""
         s = self.stage
         self.model = StageModel(
-            self.spec, self.model_dir, s.layer_start, s.layer_end, s.is_first, s.is_last,
-            self.dtype, self.device, max_positions=self.max_model_len + 1,
+            self.spec,
+            self.model_dir,
+            s.layer_start,
+            s.layer_end,
+            s.is_first,
+            s.is_last,
+            self.dtype,
+            self.device,
+            max_positions=self.max_model_len + 1,
         )
         return self.model.param_bytes()
 
@@ -88,7 +97,13 @@ class StageWorker:
         assert self.model is not None
         s = self.spec
         self.kv = KVCache(
-            self.model.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, self.dtype, self.device
+            self.model.num_layers,
+            num_blocks,
+            block_size,
+            s.num_kv_heads,
+            s.head_dim,
+            self.dtype,
+            self.device,
         )
         self.block_size = block_size
         self.backend = select_backend(self.device, block_size)

@@ -28,8 +28,14 @@ def prompts():
 
 @pytest.mark.parametrize("block_size", [16, 256])  # 256: flash-attn's paged kernels when installed
 def test_cuda_float32_matches_hf(llama_dir, block_size):
-    with LLM(str(llama_dir), device="cuda", dtype="float32", block_size=block_size, chunk_size=64,
-             max_model_len=512) as llm:
+    with LLM(
+        str(llama_dir),
+        device="cuda",
+        dtype="float32",
+        block_size=block_size,
+        chunk_size=64,
+        max_model_len=512,
+    ) as llm:
         outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
     for out, p in zip(outs, prompts()):
         ref, margins = hf_greedy(llama_dir, p, 12)
@@ -48,7 +54,8 @@ def test_cuda_bf16_runs_and_mostly_agrees(llama_dir):
 def test_pp2_over_nccl_equals_pp1(llama_dir):
     with LLM(str(llama_dir), device="cuda", dtype="float32", max_model_len=512) as pp1:
         ref = [o.outputs[0].token_ids for o in pp1.generate(prompts(), GREEDY, use_tqdm=False)]
-    with LLM(str(llama_dir), device="cuda", dtype="float32", max_model_len=512,
-             pipeline_parallel_size=2) as pp2:
+    with LLM(
+        str(llama_dir), device="cuda", dtype="float32", max_model_len=512, pipeline_parallel_size=2
+    ) as pp2:
         ours = [o.outputs[0].token_ids for o in pp2.generate(prompts(), GREEDY, use_tqdm=False)]
     assert ours == ref

@@ -99,8 +99,16 @@ def test_auto_b_from_the_stages_memory(llama_dir):
 
 
 def test_auto_is_ignored_by_vllm(llama_dir, tmp_path):
-    llm = LLM(str(llama_dir), max_model_len=128, scheduler="vllm", chunk_size="auto", run_dir=str(tmp_path / "r"))
+    llm = LLM(
+        str(llama_dir),
+        max_model_len=128,
+        scheduler="vllm",
+        chunk_size="auto",
+        run_dir=str(tmp_path / "r"),
+    )
     p = prompts(2, 20, seed=3)
     check_hf(llama_dir, llm.generate(p, greedy(5), use_tqdm=False), p, 5)
-    records = [json.loads(line) for line in (tmp_path / "r" / "events.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (tmp_path / "r" / "events.jsonl").read_text().splitlines()
+    ]
     assert not [r for r in records if r["type"] == "chunk_size"]

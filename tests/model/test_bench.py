@@ -136,6 +136,22 @@ def test_bench_with_hf_peer(llama_dir, tmp_path, capsys):
     assert "sarathi / peer-hf" in capsys.readouterr().out
 
 
+def test_bench_hf_peer_with_dtype_auto_sees_the_resolved_dtype(llama_dir, tmp_path):
+    """``dtype: auto`` is resolved once (float32 on CPU): the run records and the peer get
+    the resolved dtype, not ``auto`` (which the peer used to refuse after every run)."""
+    workload = write_workload(tmp_path, num_requests=2)
+    out = tmp_path / "bench"
+    argv = ["bench", "--model", str(llama_dir), "--set", f"model.max_model_len={MAX_LEN}",
+            "--set", "model.device=cpu", "--workload", str(workload), "--peer", "hf",
+            "--run-dir", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    config = yaml.safe_load((out / "sarathi" / "config.yaml").read_text())
+    assert config["model"]["dtype"] == "float32" and config["model"]["device"] == "cpu"
+    peer = json.loads((out / "comparison.json").read_text())["runs"][1]
+    assert peer["name"] == "peer-hf" and "float32" in peer["note"]
+    assert peer["requests"]["num_requests"] == 2
+
+
 def test_bench_capacity_search(llama_dir, tmp_path, capsys):
     workload = write_workload(tmp_path, num_requests=4, arrivals={"kind": "poisson", "rate": 4.0})
     out = tmp_path / "bench"

@@ -32,7 +32,8 @@ def ids(out):
 def test_accepts_every_prompt_form_and_keeps_order(llm, llama_dir):
     p = prompts(1)[0]
     outs = llm.generate(
-        ["Hello there", {"prompt_token_ids": p}, p], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+        ["Hello there", {"prompt_token_ids": p}, p],
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
         use_tqdm=False,
     )
     assert outs[0].prompt == "Hello there"
@@ -50,39 +51,67 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm):
     alone = llm.generate([p[0]], sp, use_tqdm=False)
     batched = llm.generate(p, sp, use_tqdm=False)
     assert ids(alone[0]) == ids(batched[0])
-    other_seed = llm.generate([p[0]], SamplingParams(max_tokens=10, temperature=1.0, seed=99, ignore_eos=True), use_tqdm=False)
-    greedy = llm.generate([p[0]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False)
+    other_seed = llm.generate(
+        [p[0]],
+        SamplingParams(max_tokens=10, temperature=1.0, seed=99, ignore_eos=True),
+        use_tqdm=False,
+    )
+    greedy = llm.generate(
+        [p[0]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False
+    )
     assert ids(other_seed[0]) != ids(alone[0]) or ids(alone[0]) != ids(greedy[0])
 
 
 def test_top_k_one_is_greedy(llm):
     p = prompts(2)
-    greedy = llm.generate(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
-    top1 = llm.generate(p, SamplingParams(max_tokens=8, temperature=0.8, top_k=1, ignore_eos=True), use_tqdm=False)
+    greedy = llm.generate(
+        p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False
+    )
+    top1 = llm.generate(
+        p, SamplingParams(max_tokens=8, temperature=0.8, top_k=1, ignore_eos=True), use_tqdm=False
+    )
     assert [ids(o) for o in greedy] == [ids(o) for o in top1]
-    tiny_p = llm.generate(p, SamplingParams(max_tokens=8, temperature=0.8, top_p=1e-6, ignore_eos=True), use_tqdm=False)
+    tiny_p = llm.generate(
+        p,
+        SamplingParams(max_tokens=8, temperature=0.8, top_p=1e-6, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert [ids(o) for o in greedy] == [ids(o) for o in tiny_p]
 
 
 def test_stop_token_ids_and_max_tokens(llm):
     p = prompts(1)[0]
-    full = ids(llm.generate([p], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False)[0])
+    full = ids(
+        llm.generate(
+            [p], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False
+        )[0]
+    )
     stop_at = full[4]
     first = full.index(stop_at)
-    out = llm.generate([p], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    out = llm.generate(
+        [p], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]), use_tqdm=False
+    )[0]
     assert ids(out) == full[: first + 1]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
-    out = llm.generate([p], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        [p], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False
+    )[0]
     assert ids(out) == full[:3] and out.outputs[0].finish_reason == "length"
 
 
 def test_stop_string_is_cut_from_the_text(llm):
     p = prompts(1, seed=5)[0]
-    full = llm.generate([p], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    full = llm.generate(
+        [p], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False
+    )[0]
     text = full.outputs[0].text
     assert len(text) >= 4, text
     stop = text[2:4]
-    out = llm.generate([p], SamplingParams(max_tokens=12, temperature=0, stop=[stop], ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        [p],
+        SamplingParams(max_tokens=12, temperature=0, stop=[stop], ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
     assert out.outputs[0].text == text[: text.index(stop)]
 
@@ -99,19 +128,25 @@ def test_eos_from_the_checkpoint_stops_unless_ignored(llama_dir, tmp_path):
     llm = LLM(str(model), max_model_len=128)
     out = llm.generate([p], SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)[0]
     assert ids(out) == full[: full.index(eos) + 1] and out.outputs[0].finish_reason == "stop"
-    out = llm.generate([p], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        [p], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False
+    )[0]
     assert ids(out) == full
 
 
 def test_max_model_len_ends_with_length(llm):
     p = prompts(1, length=120)[0]
-    out = llm.generate([p], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        [p], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), use_tqdm=False
+    )[0]
     assert len(p) + len(ids(out)) == 128
     assert out.outputs[0].finish_reason == "length"
 
 
 def test_per_token_metrics(llm):
-    outs = llm.generate(prompts(3), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        prompts(3), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False
+    )
     for o in outs:
         m = o.metrics
         assert len(m.token_times) == 5
@@ -169,7 +204,9 @@ def test_bad_model_folders(llama_dir, tmp_path):
     d = _edit_config(llama_dir, tmp_path / "yarn", rope_parameters=rope)
     with pytest.raises(ValueError, match="'yarn'"):
         LLM(d)
-    d = _edit_config(llama_dir, tmp_path / "sw", architectures=["MistralForCausalLM"], sliding_window=64)
+    d = _edit_config(
+        llama_dir, tmp_path / "sw", architectures=["MistralForCausalLM"], sliding_window=64
+    )
     with pytest.raises(ValueError, match="sliding-window.*64"):
         LLM(d)
     LLM(d, max_model_len=64)  # a window no shorter than the model length is fine
@@ -215,7 +252,11 @@ def test_a_failing_request_fails_alone(llm, llama_dir, monkeypatch):
 
     monkeypatch.setattr(model, "forward", forward)
     good = [[t for t in g if t != poison] for g in good]
-    outs = llm.generate([good[0], [poison, 12, 13], good[1]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [good[0], [poison, 12, 13], good[1]],
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert outs[1].outputs[0].finish_reason == "error" and "poisoned token" in outs[1].error
     for o, p in ((outs[0], good[0]), (outs[2], good[1])):
         assert o.outputs[0].finish_reason == "length" and o.error is None
@@ -227,7 +268,9 @@ def test_a_failing_request_fails_alone(llm, llama_dir, monkeypatch):
 def test_run_dir(llama_dir, tmp_path):
     run = tmp_path / "run"
     llm = LLM(str(llama_dir), max_model_len=128, run_dir=str(run))
-    llm.generate(prompts(2), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        prompts(2), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False
+    )
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     assert cfg["model"]["max_model_len"] == 128 and cfg["cache"]["block_size"] == 16
     assert load_config(run / "config.yaml").scheduler.policy == "sarathi"  # loadable as is

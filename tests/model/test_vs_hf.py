@@ -47,11 +47,20 @@ def test_schedulers_and_chunk_sizes_match_hf(llama_dir, scheduler, chunk_size):
 @pytest.mark.parametrize("chunk_size", [20, 44])  # not multiples of the tile: trimming must happen
 def test_tile_alignment_trims_and_matches_hf(llama_dir, scheduler, chunk_size):
     prompts = make_prompts(seed=1)
-    llm = LLM(str(llama_dir), max_model_len=256, scheduler=scheduler, chunk_size=chunk_size,
-              tile_align=True, tile_size=8)
+    llm = LLM(
+        str(llama_dir),
+        max_model_len=256,
+        scheduler=scheduler,
+        chunk_size=chunk_size,
+        tile_align=True,
+        tile_size=8,
+    )
     sizes = []
     real_submit = llm.engine.executor.submit
-    llm.engine.executor.submit = lambda microbatch: (sizes.append((microbatch.num_prefill_tokens, microbatch.num_tokens)), real_submit(microbatch))[1]
+    llm.engine.executor.submit = lambda microbatch: (
+        sizes.append((microbatch.num_prefill_tokens, microbatch.num_tokens)),
+        real_submit(microbatch),
+    )[1]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     check_against_hf(llama_dir, outs, prompts)
     trimmed = [(p, n) for p, n in sizes if p and n < chunk_size and n % 8 == 0]
@@ -67,7 +76,9 @@ def test_tile_alignment_trims_and_matches_hf(llama_dir, scheduler, chunk_size):
 def test_model_families_match_hf(tiny_model, variant, scheduler):
     model_dir = tiny_model(variant)
     prompts = make_prompts(seed=2)
-    _, outs = run(model_dir, prompts, scheduler=scheduler, chunk_size=32, tile_align=True, tile_size=16)
+    _, outs = run(
+        model_dir, prompts, scheduler=scheduler, chunk_size=32, tile_align=True, tile_size=16
+    )
     check_against_hf(model_dir, outs, prompts)
 
 
@@ -76,8 +87,15 @@ def test_preemption_keeps_outputs_exact(llama_dir, scheduler):
     prompts = make_prompts(seed=3, lens=(40, 41, 42, 43))
     # Four prompts of ~40 tokens fit in 44 blocks of 4 tokens, but not once each has grown
     # by 12 tokens (13-14 blocks each): decodes must preempt.
-    llm, outs = run(llama_dir, prompts, scheduler=scheduler, chunk_size=24, block_size=4,
-                    num_kv_blocks=44, max_model_len=176)
+    llm, outs = run(
+        llama_dir,
+        prompts,
+        scheduler=scheduler,
+        chunk_size=24,
+        block_size=4,
+        num_kv_blocks=44,
+        max_model_len=176,
+    )
     assert llm.engine.scheduler.num_preemptions > 0
     assert any(o.metrics.num_preemptions > 0 for o in outs)
     check_against_hf(llama_dir, outs, prompts)

@@ -154,7 +154,9 @@ def two_phase_requests() -> list[Request]:
 
 @pytest.mark.parametrize("num_inflight", [1, 3])
 @pytest.mark.parametrize("policy", ["sarathi", "simple_chunking"])
-def test_budget_changes_mid_run_and_every_microbatch_respects_the_budget_in_force(policy, num_inflight):
+def test_budget_changes_mid_run_and_every_microbatch_respects_the_budget_in_force(
+    policy, num_inflight
+):
     sched = make_scheduler(
         policy,
         64,

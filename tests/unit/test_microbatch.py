@@ -42,7 +42,9 @@ def test_chunk_sizes_and_repr():
 def test_microbatch_kind_and_counts(chunks, kind, num_prefill, num_decode):
     microbatch = MicroBatch(4, chunks)
     assert microbatch.kind == kind
-    assert microbatch.num_prefill_tokens == num_prefill and microbatch.num_decode_tokens == num_decode
+    assert (
+        microbatch.num_prefill_tokens == num_prefill and microbatch.num_decode_tokens == num_decode
+    )
     assert microbatch.num_tokens == num_prefill + num_decode
 
 

@@ -145,7 +145,9 @@ class Checker:
             and microbatch.num_prefill_tokens
         ):
             rem = microbatch.num_tokens % cfg.tile_size
-            assert rem == 0 or microbatch.num_prefill_tokens <= rem, f"tile {cfg.tile_size}: {microbatch}"
+            assert rem == 0 or microbatch.num_prefill_tokens <= rem, (
+                f"tile {cfg.tile_size}: {microbatch}"
+            )
         sampling_inflight = {c.seq_id for p in inflight for c in p.chunks if c.do_sample}
         held_inflight = {c.seq_id for p in inflight for c in p.chunks}
         for c in microbatch.chunks:
@@ -177,7 +179,9 @@ class Checker:
         preempted or had no victim)."""
         limit = min(self.sched.chunk_size, self.decode_share)
         if microbatch.num_prefill_tokens and microbatch.num_decode_tokens < limit:
-            assert not self._decodes_could_run(microbatch), f"a ready decode left out of {microbatch}"
+            assert not self._decodes_could_run(microbatch), (
+                f"a ready decode left out of {microbatch}"
+            )
 
     def _check_contiguous(self, seq: Sequence, seq_id: int, start: int, end: int) -> None:
         expected = self.issued_end.get(seq_id, 0)
@@ -354,7 +358,11 @@ def test_sarathi_fills_budget_with_decodes_then_prefill_chunk():
     for i in range(3):
         sched.add(make_seq(Request(i, [1, 2, 3], 50)))
     microbatch = sched.schedule(0.0)
-    assert [(c.seq_id, c.start, c.end) for c in microbatch.chunks] == [(0, 0, 3), (1, 0, 3), (2, 0, 3)]
+    assert [(c.seq_id, c.start, c.end) for c in microbatch.chunks] == [
+        (0, 0, 3),
+        (1, 0, 3),
+        (2, 0, 3),
+    ]
     sched.on_step_done(microbatch, {0: 7, 1: 7, 2: 7}, 1.0)
     sched.add(make_seq(Request(3, list(range(20)), 5)))
     microbatch = sched.schedule(1.0)
@@ -451,7 +459,11 @@ def test_prefill_chunks_pipeline_while_previous_in_flight():
     sched = make_scheduler("sarathi", 64, 4, chunk_size=8, tile_align=False)
     sched.add(make_seq(Request(0, list(range(20)), 2)))
     microbatches = [sched.schedule(0.0) for _ in range(3)]
-    assert [(p.chunks[0].start, p.chunks[0].end) for p in microbatches] == [(0, 8), (8, 16), (16, 20)]
+    assert [(p.chunks[0].start, p.chunks[0].end) for p in microbatches] == [
+        (0, 8),
+        (8, 16),
+        (16, 20),
+    ]
     assert [p.sampled_seq_ids for p in microbatches] == [[], [], [0]]
     assert sched.schedule(0.0) is None and sched.idle_reason == IDLE_DEPENDENCY
 
