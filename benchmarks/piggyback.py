@@ -148,7 +148,7 @@ def build_workload(worker: StageWorker, args: argparse.Namespace, block_size: in
     return Workload(prefill, tuple(decodes))
 
 
-def make_plans(work: Workload, decode_counts: list[int]) -> dict[str, MicroBatch]:
+def make_microbatches(work: Workload, decode_counts: list[int]) -> dict[str, MicroBatch]:
     """``prefill`` plus ``decode N`` and ``hybrid N`` for every N."""
     ids = itertools.count(1)
     microbatches = {"prefill": MicroBatch(next(ids), (work.prefill,))}
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         f"median of {args.repeats} runs after {args.warmup} warm-up"
     )
     work = build_workload(worker, args, engine.block_size)
-    times = measure(worker, make_plans(work, args.decodes), args.warmup, args.repeats)
+    times = measure(worker, make_microbatches(work, args.decodes), args.warmup, args.repeats)
     print(f"prefill-only: {times['prefill'] / args.chunk_size * 1e3:.3f} ms per prefill token")
     print_table(times, args.decodes)
     busy = " (busy: above the CPU count, rerun on a quiet machine)" if is_busy() else ""

@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         ours = run_ours(llm, requests)
         spec, model_dir = llm.engine.spec, llm.engine.model_dir
-        dtype = llm.engine.resolved_config.model.dtype
+        dtype = llm.engine.placement.dtype
     finally:
         llm.shutdown()
     runs = [ours]
