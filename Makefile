@@ -44,8 +44,10 @@ bench: venv
 test: venv
 	$(PY) -m pytest -q
 
-# ruff (lint + format) and the import contracts of pyproject.toml (lint-imports).
+# ruff (lint + format), the import contracts of pyproject.toml (lint-imports) and mypy on
+# the files `[tool.mypy] files` lists.
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy

@@ -88,6 +88,7 @@ class LLM:
 
     def _prepare(self, index: int, prompt: Prompt) -> tuple[str | None, list[int]]:
         where = f"prompt {index}"
+        text: str | None
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"{where} is empty")

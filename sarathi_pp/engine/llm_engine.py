@@ -71,12 +71,9 @@ class LLMEngine:
         self.stage_memory = self.executor.load_model()
         self.block_size = self.placement.block_size
         self.num_kv_blocks = num_kv_blocks(
-            config.cache,
-            self.stage_memory,
-            self.block_size,
-            self.max_model_len,
+            config.cache, self.stage_memory, self.block_size, self.max_model_len,
             config.scheduler.max_num_seqs,
-        )
+        )  # fmt: skip
         self.executor.init_kv_cache(self.num_kv_blocks, self.block_size)
         self.max_inflight = config.parallel.microbatches_in_flight
         self.scheduler = self._create_scheduler(config.scheduler)
@@ -112,25 +109,16 @@ class LLMEngine:
 
     def _create_scheduler(self, config: SchedulerConfig, first_microbatch_id: int = 0) -> Scheduler:
         # B of chunk_size: auto's plan (see engine_decode_batch for which figure).
-        max_decode_batch = None
+        b = None
         if config.chunk_size == "auto":
-            max_decode_batch = engine_decode_batch(
-                self.config.cache,
-                self.stage_memory,
-                self.num_kv_blocks,
-                self.block_size,
-                self.max_model_len,
-                config.max_num_seqs,
-            )
+            b = engine_decode_batch(
+                self.config.cache, self.stage_memory, self.num_kv_blocks, self.block_size,
+                self.max_model_len, config.max_num_seqs,
+            )  # fmt: skip
         return create_scheduler(
-            config,
-            self.num_kv_blocks,
-            self.block_size,
-            self.max_model_len,
-            self.max_inflight,
-            max_decode_batch,
-            first_microbatch_id,
-        )
+            config, self.num_kv_blocks, self.block_size, self.max_model_len, self.max_inflight,
+            b, first_microbatch_id,
+        )  # fmt: skip
 
     @staticmethod
     def now() -> float:

@@ -21,7 +21,8 @@ from sarathi_pp.scheduler.base import IDLE_NO_WORK
 
 
 class Recorder(Protocol):
-    run_dir: RunDir | None
+    @property
+    def run_dir(self) -> RunDir | None: ...
 
     def before_schedule(self, now: float, scheduler: Scheduler) -> None: ...
     def idle(self, now: float, reason: str | None) -> None: ...
@@ -76,6 +77,7 @@ class RunRecorder:
             self.events.chunk_size(now, scheduler.chunk_size)
 
     def idle(self, now: float, reason: str | None) -> None:
+        assert reason is not None, "the scheduler issued nothing without saying why"
         self.events.idle(now, reason)
 
     def issued(self, microbatch: MicroBatch, now: float) -> None:

@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 PROFILE_COLUMNS = ("stage", "prefill_tokens", "decode_tokens", "context_len", "seconds")
 # Written by the profiler, optional when reading (an empty cell reads as None).
@@ -147,7 +147,7 @@ def _parse_row(path: str | Path, line_no: int, header: list[str], cells: list[st
     if len(cells) != len(header):
         raise ValueError(f"{where}: {len(cells)} cells, the header has {len(header)} columns")
     known = {f.name for f in fields(ProfileRow)}
-    values = {}
+    values: dict[str, Any] = {}
     for name, cell in zip(header, cells):
         if name not in known:
             continue  # a column some other tool added

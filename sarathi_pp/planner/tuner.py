@@ -96,8 +96,8 @@ class ChunkTuner:
     def estimate_pd_ratio(self) -> float | None:
         """The window's P:D, its empty slots filled with the prior's mean request; ``None``
         before any request."""
-        prompt = sum(r.num_prompt_tokens for r in self.window)
-        output = sum(r.num_output_tokens for r in self.window)
+        prompt: float = sum(r.num_prompt_tokens for r in self.window)
+        output: float = sum(r.num_output_tokens for r in self.window)
         num_empty = self.config.auto_chunk_window - len(self.window)
         if num_empty and self._num_added:
             prompt += num_empty * self._added_prompt_tokens / self._num_added

@@ -145,13 +145,10 @@ def request_summary(rows: list[RequestRow]) -> dict[str, Any]:
     if source == "tbt_mean_s":
         maxes = [r.tbt_max_s for r in rows if r.tbt_max_s is not None]
         tbt_dist["max"] = max(maxes) if maxes else tbt_dist["max"]
-    tpots = [tpot(r.e2e_s, r.ttft_s, r.num_output_tokens) for r in rows]
-    tpots = [t for t in tpots if t is not None]
-    finished = [r for r in rows if r.finished_s is not None]
+    tpots = [t for r in rows if (t := tpot(r.e2e_s, r.ttft_s, r.num_output_tokens)) is not None]
+    finished = [r.finished_s for r in rows if r.finished_s is not None]
     arrivals = [r.arrival_s for r in rows if r.arrival_s is not None]
-    duration = (
-        (max(r.finished_s for r in finished) - min(arrivals)) if finished and arrivals else None
-    )
+    duration = (max(finished) - min(arrivals)) if finished and arrivals else None
     rate = (lambda x: x / duration) if duration else (lambda x: None)  # noqa: E731
     num_tokens = sum(r.num_output_tokens for r in rows)
     return {
