@@ -24,11 +24,15 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.outputs import RequestOutput, tpot
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 CONFIG_FILE = "config.yaml"
 EVENTS_FILE = "events.jsonl"
@@ -67,12 +71,17 @@ def prepare_dir(path: str | Path, overwrite: bool) -> Path:
 
 
 @dataclass(frozen=True)
-class RunDir:
+class _Dir:
     path: Path
 
     @classmethod
-    def prepare(cls, path: str | Path, overwrite: bool = False) -> RunDir:
+    def prepare(cls, path: str | Path, overwrite: bool = False) -> Self:
+        """The folder at ``path``, created; a non-empty one is refused unless ``overwrite``."""
         return cls(prepare_dir(path, overwrite))
+
+
+@dataclass(frozen=True)
+class RunDir(_Dir):
 
     config = property(lambda self: self.path / CONFIG_FILE)
     events = property(lambda self: self.path / EVENTS_FILE)
@@ -100,12 +109,7 @@ class RunDir:
 
 
 @dataclass(frozen=True)
-class BenchDir:
-    path: Path
-
-    @classmethod
-    def prepare(cls, path: str | Path, overwrite: bool = False) -> BenchDir:
-        return cls(prepare_dir(path, overwrite))
+class BenchDir(_Dir):
 
     comparison = property(lambda self: self.path / COMPARISON_FILE)
     tbt_cdf = property(lambda self: self.path / TBT_CDF_FILE)
