@@ -109,6 +109,9 @@ class SchedulerConfig:
     """Most sequences running (holding KV blocks) at once."""
     max_num_batched_tokens: int | None = None
     """Token cap of one prefill micro-batch for vllm/orca; ``None`` = ``max_model_len``."""
+    max_waiting: int | None = None
+    """Most requests waiting to be admitted; a request past it is refused with
+    ``QueueFullError`` (an HTTP server answers 429). ``None`` = unbounded."""
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULER_POLICIES:
@@ -132,6 +135,7 @@ class SchedulerConfig:
         _check_int("tile_size", self.tile_size, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_opt_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_opt_int("max_waiting", self.max_waiting, 1)
         if not isinstance(self.tile_align, bool):
             raise ValueError(f"tile_align must be true or false, got {self.tile_align!r}")
 
@@ -229,6 +233,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "tile_size": ("scheduler", "tile_size"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "max_waiting": ("scheduler", "max_waiting"),
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
     "num_microbatches_in_flight": ("parallel", "num_microbatches_in_flight"),
     "executor": ("parallel", "executor"),

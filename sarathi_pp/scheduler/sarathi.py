@@ -10,7 +10,7 @@ takes the next chunk of the prefill in progress and then of waiting requests (FC
 from __future__ import annotations
 
 from sarathi_pp.scheduler.base import Scheduler, Selection
-from sarathi_pp.sequence import Sequence
+from sarathi_pp.sequence import Sequence, SequenceStatus
 
 
 class SarathiScheduler(Scheduler):
@@ -49,7 +49,7 @@ class SarathiScheduler(Scheduler):
         for seq in self._partial_prefills() + self._arrived_waiting(now):
             if budget == 0:
                 break
-            if seq in self.waiting:
+            if seq.status is SequenceStatus.WAITING:
                 # Admit only a prompt whose every block is free, and reserve them all now
                 # (as Sarathi-Serve): a prompt admitted on a few free blocks would force
                 # preemptions later. FCFS: nobody overtakes a prompt that does not fit.

@@ -9,6 +9,7 @@ differ widely in cost, which is what creates PB2 bubbles under pipeline parallel
 from __future__ import annotations
 
 from sarathi_pp.scheduler.base import Scheduler, Selection
+from sarathi_pp.sequence import SequenceStatus
 
 
 class VLLMScheduler(Scheduler):
@@ -32,11 +33,11 @@ class VLLMScheduler(Scheduler):
             n = seq.num_pending_tokens
             if selection and num_tokens + n > token_cap:
                 break
-            if seq in self.waiting and not self._can_admit():
+            if seq.status is SequenceStatus.WAITING and not self._can_admit():
                 break
             if not self.block_manager.can_grow(seq, seq.num_scheduled_tokens + n):
                 break
-            if seq in self.waiting:
+            if seq.status is SequenceStatus.WAITING:
                 self._admit(seq, now)
             self.block_manager.grow(seq, seq.num_scheduled_tokens + n)
             selection.append((seq, n))

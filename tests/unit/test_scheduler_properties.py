@@ -1,0 +1,153 @@
+"""Property-based scheduler test (hypothesis): random sequences of add / step / abort /
+error / preempt for every policy with 1-3 micro-batches in flight, against the fake paged
+KV cache of ``test_scheduler``.
+
+Invariants, checked as the operations run (``Checker`` on every micro-batch issued, the
+blocks after every operation) and at the end:
+- KV blocks are conserved: every block is free or held by exactly one known sequence;
+- no decoding sequence is in two micro-batches in flight; the token budget is respected;
+- every request finishes once the operations stop (no stall), with every block free again;
+- a request that ran to its length has exactly the unbatched reference output, however
+  often it was preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_scheduler import (
+    MAX_MODEL_LEN,
+    POLICIES,
+    Checker,
+    FakeModel,
+    Request,
+    make_scheduler,
+    make_seq,
+    reference_output,
+)
+
+from sarathi_pp.microbatch import MicroBatch
+from sarathi_pp.scheduler import Scheduler
+from sarathi_pp.sequence import Sequence, SequenceStatus
+
+OPS = st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12)),
+    st.tuples(st.just("step")),
+    st.tuples(st.just("abort"), st.integers(0, 30)),
+    st.tuples(st.just("error"), st.integers(0, 30)),
+    st.tuples(st.just("preempt")),
+)
+
+
+class Harness:
+    """An engine-like driver whose every move is one operation."""
+
+    def __init__(self, sched: Scheduler, num_inflight: int) -> None:
+        bm = sched.block_manager
+        self.sched = sched
+        self.num_inflight = num_inflight
+        self.model = FakeModel(bm.num_blocks, bm.block_size)
+        self.checker = Checker(sched, [])
+        self.inflight: deque[MicroBatch] = deque()
+        self.seqs: list[Sequence] = []
+        self.now = 0.0
+
+    # --- operations ----------------------------------------------------------------------
+    def add(self, prompt_len: int, max_tokens: int) -> None:
+        seq_id = len(self.seqs)
+        req = Request(seq_id, [(seq_id * 7 + i) % 1000 for i in range(prompt_len)], max_tokens)
+        self.checker.ref[seq_id] = req.prompt + reference_output(seq_id, req.prompt, max_tokens)
+        seq = make_seq(req)
+        seq.metrics.arrival_time = self.now
+        self.seqs.append(seq)
+        self.sched.add(seq)
+
+    def issue(self) -> None:
+        while len(self.inflight) < self.num_inflight:
+            self.checker.before()
+            microbatch = self.sched.schedule(self.now)
+            if microbatch is None:
+                return
+            self.checker.check(microbatch, self.inflight, self.now)  # budget, decodes, blocks
+            self.inflight.append(microbatch)
+
+    def step(self, failing: int | None = None) -> None:
+        """Issue, then complete the oldest micro-batch; ``failing``: a sequence of it that
+        the executor reports as failed (it ends with ``finish_reason="error"``)."""
+        self.issue()
+        if not self.inflight:
+            return
+        microbatch = self.inflight.popleft()
+        sampled = self.model.execute(microbatch)
+        sampled.pop(failing, None)
+        for seq in self.sched.on_step_done(microbatch, sampled, self.now):
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                self.sched.finish(seq, SequenceStatus.FINISHED_LENGTH, self.now)
+        if failing is not None:
+            seq = self.sched.seqs.get(failing)
+            if seq is not None and not seq.is_finished:
+                self.sched.finish(seq, SequenceStatus.FINISHED_ERROR, self.now)
+        self.now += 1.0
+
+    def abort(self, k: int) -> None:
+        live = [s for s in self.seqs if not s.is_finished]
+        if live:
+            self.sched.finish(live[k % len(live)], SequenceStatus.FINISHED_ABORTED, self.now)
+
+    def error(self, k: int) -> None:
+        if not self.inflight:
+            self.issue()
+        if self.inflight:
+            chunks = self.inflight[0].chunks
+            self.step(failing=chunks[k % len(chunks)].seq_id)
+
+    def preempt(self) -> None:
+        victim = self.sched._pick_victim(set())
+        if victim is not None:
+            self.sched._preempt(victim)
+
+    # --- invariants ----------------------------------------------------------------------
+    def check_blocks(self) -> None:
+        bm = self.sched.block_manager
+        owned = [b for s in self.sched.seqs.values() for b in s.block_table]
+        assert len(owned) == len(set(owned)), "a block belongs to two sequences"
+        assert sorted(owned + bm._free) == list(range(bm.num_blocks)), "blocks lost"
+        for seq in self.seqs:  # a sequence leaves the scheduler only when nothing holds it
+            if seq.seq_id not in self.sched.seqs:
+                assert seq.is_finished and not seq.block_table, seq
+
+    def drain(self, max_steps: int = 5000) -> None:
+        for _ in range(max_steps):
+            if not (self.sched.has_unfinished() or self.inflight):
+                return
+            self.step()
+        raise AssertionError(f"stalled: running {self.sched.running}, waiting {self.sched.waiting}")
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    policy=st.sampled_from(POLICIES),
+    num_inflight=st.integers(1, 3),
+    num_blocks=st.integers(13, 40),  # 13 blocks of 4 = 52 slots: the longest request fits
+    chunk_size=st.integers(1, 48),
+    ops=st.lists(OPS, max_size=60),
+)
+def test_random_operations_keep_the_invariants(policy, num_inflight, num_blocks, chunk_size, ops):
+    sched = make_scheduler(
+        policy, num_blocks, 4, num_inflight, chunk_size=chunk_size, tile_align=False
+    )
+    h = Harness(sched, num_inflight)
+    for op, *args in ops:
+        getattr(h, op)(*args)
+        h.check_blocks()
+    h.drain()
+    h.check_blocks()
+    assert sched.block_manager.num_free_blocks == num_blocks and not sched.seqs
+    for seq in h.seqs:
+        assert seq.is_finished, seq
+        if seq.status is SequenceStatus.FINISHED_LENGTH:
+            expected = reference_output(seq.seq_id, seq.prompt_token_ids, seq.params.max_tokens)
+            assert seq.output_token_ids == expected, seq
+    assert all(len(s.prompt_token_ids) + s.params.max_tokens <= MAX_MODEL_LEN for s in h.seqs)
