@@ -82,7 +82,6 @@ class _Dir:
 
 @dataclass(frozen=True)
 class RunDir(_Dir):
-
     config = property(lambda self: self.path / CONFIG_FILE)
     events = property(lambda self: self.path / EVENTS_FILE)
     requests = property(lambda self: self.path / REQUESTS_FILE)
@@ -110,7 +109,6 @@ class RunDir(_Dir):
 
 @dataclass(frozen=True)
 class BenchDir(_Dir):
-
     comparison = property(lambda self: self.path / COMPARISON_FILE)
     tbt_cdf = property(lambda self: self.path / TBT_CDF_FILE)
     ttft_cdf = property(lambda self: self.path / TTFT_CDF_FILE)
