@@ -19,7 +19,6 @@ requests, prompts of 128/512/1024 random token ids, 48 output tokens; ``--quick`
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from common import load_args_workload, load_average
 
 from sarathi_pp import LLM, SamplingParams
 from sarathi_pp.bench.workload import BenchRequest
+from sarathi_pp.config import SCHEDULER_POLICIES
 from sarathi_pp.report import write_report
 from sarathi_pp.report.text import format_comparison
 
@@ -49,13 +49,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def schedulers(text: str) -> list[str]:
+    """``--schedulers``: known policy names only (they name folders below ``--out``)."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SCHEDULER_POLICIES]
+    if not names or unknown:
+        print(
+            f"bubbles.py: error: --schedulers {text!r}: unknown {unknown or 'none given'}; "
+            f"valid: {', '.join(SCHEDULER_POLICIES)}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    return names
+
+
 def run_one(args, scheduler: str, requests: list[BenchRequest], run_dir: Path) -> float:
-    shutil.rmtree(run_dir, ignore_errors=True)
+    # overwrite: the run dir's own files from an earlier run go (run_dir.RunDir.clear),
+    # nothing else below --out is touched.
     llm = LLM.from_config(
         args.config,
         scheduler=scheduler,
         chunk_size=args.chunk_size,
         run_dir=str(run_dir),
+        overwrite=True,
         num_threads_per_stage=1,
     )
     try:
@@ -73,10 +89,11 @@ def run_one(args, scheduler: str, requests: list[BenchRequest], run_dir: Path) -
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    policies = schedulers(args.schedulers)  # before anything is written or removed
     workload = load_args_workload(args, WORKLOAD, QUICK_WORKLOAD)
     requests = workload.requests(VOCAB_SIZE)
     names, summaries = [], []
-    for scheduler in args.schedulers.split(","):
+    for scheduler in policies:
         run_dir = Path(args.out) / scheduler
         wall = run_one(args, scheduler, requests, run_dir)
         print(f"{scheduler}: {wall:.1f} s ({run_dir})", file=sys.stderr)

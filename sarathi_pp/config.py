@@ -184,7 +184,14 @@ class RunConfig:
     run_dir: str | None = None
     """Where to write the run's records (config.yaml, requests.csv, ...); ``None`` = nowhere."""
     overwrite: bool = False
-    """Allow writing into an existing non-empty run dir."""
+    """Allow writing into an existing non-empty run dir: what an earlier run wrote there is
+    removed first (the files the README lists), nothing else."""
+
+    def __post_init__(self) -> None:
+        if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):
+            raise ValueError(f"run_dir must be a non-empty path or null, got {self.run_dir!r}")
+        if not isinstance(self.overwrite, bool):
+            raise ValueError(f"overwrite must be true or false, got {self.overwrite!r}")
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,10 @@ Schema version 1 (``SCHEMA_VERSION``), by ``type``:
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 SCHEMA_VERSION = 1
 EVENT_TYPES = ("header", "stage", "issue", "idle", "done", "chunk_size")
@@ -64,11 +65,18 @@ class StageEvent:
 
 
 class EventLog:
-    """Collects a run's events in memory (cheap appends) and writes them at the end."""
+    """A run's events: held in ``records`` until ``stream_to`` attaches a file, then appended
+    to it as they happen (flushed at least every ``FLUSH_EVERY_S``), so a long run holds no
+    growing list and a crash loses at most the last second of records."""
+
+    FLUSH_EVERY_S = 1.0
 
     def __init__(self, num_stages: int, t0: float, config: dict[str, Any]) -> None:
         self.t0 = t0
-        self.records: list[dict[str, Any]] = [
+        self.records: list[dict[str, Any]] = []
+        self._sink: IO[str] | None = None
+        self._flushed_at = 0.0
+        self._add(
             {
                 "type": "header",
                 "schema_version": SCHEMA_VERSION,
@@ -76,16 +84,42 @@ class EventLog:
                 "t0": t0,
                 "config": config,
             }
-        ]
+        )
         self._idle_since: tuple[float, str] | None = None
         self._chunk_size: int | None = None  # the last chunk_size recorded
 
+    def stream_to(self, sink: IO[str]) -> None:
+        """Write the records held so far to ``sink`` and every later one as it comes."""
+        self._sink = sink
+        for r in self.records:
+            sink.write(json.dumps(r) + "\n")
+        self.records = []
+        self.flush()
+
+    def detach(self) -> IO[str] | None:
+        """Stop streaming (later records are held again); the sink, for the caller to close."""
+        sink, self._sink = self._sink, None
+        return sink
+
+    def flush(self) -> None:
+        if self._sink is not None:
+            self._sink.flush()
+            self._flushed_at = time.monotonic()
+
+    def _add(self, record: dict[str, Any]) -> None:
+        if self._sink is None:
+            self.records.append(record)
+            return
+        self._sink.write(json.dumps(record) + "\n")
+        if time.monotonic() - self._flushed_at >= self.FLUSH_EVERY_S:
+            self.flush()
+
     def stage(self, e: StageEvent) -> None:
-        self.records.append({"type": "stage", **asdict(e.shifted(self.t0))})
+        self._add({"type": "stage", **asdict(e.shifted(self.t0))})
 
     def issue(self, mb: int, t: float, kind: str, num_prefill: int, num_decode: int) -> None:
         self.end_idle(t)
-        self.records.append(
+        self._add(
             {
                 "type": "issue",
                 "mb": mb,
@@ -107,22 +141,23 @@ class EventLog:
         if self._idle_since is not None:
             start, reason = self._idle_since
             if t > start:
-                self.records.append(
+                self._add(
                     {"type": "idle", "start": start - self.t0, "end": t - self.t0, "reason": reason}
                 )
             self._idle_since = None
 
     def done(self, mb: int, t: float) -> None:
-        self.records.append({"type": "done", "mb": mb, "t": t - self.t0})
+        self._add({"type": "done", "mb": mb, "t": t - self.t0})
 
     def chunk_size(self, t: float, chunk_size: int) -> None:
         """The scheduler's token budget is ``chunk_size`` from ``t`` on; recorded the first
         time and when it differs from the last record (so callable before every micro-batch)."""
         if chunk_size != self._chunk_size:
             self._chunk_size = chunk_size
-            self.records.append({"type": "chunk_size", "t": t - self.t0, "chunk_size": chunk_size})
+            self._add({"type": "chunk_size", "t": t - self.t0, "chunk_size": chunk_size})
 
     def write(self, path: str | Path) -> None:
+        """Write the records held (a log that never streamed) to ``path``."""
         with open(path, "w") as f:
             for r in self.records:
                 f.write(json.dumps(r) + "\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,8 @@ from sarathi_pp.config import EngineConfig, load_config, make_config
 from sarathi_pp.engine import LLMEngine
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # A prompt: text, {"prompt_token_ids": [...]} (vLLM's TokensPrompt) or a list of token ids.
 Prompt = str | dict | list
@@ -68,7 +71,10 @@ class LLM:
             self.engine.add_request(request_id, text, sp, prompt_token_ids=token_ids)
             ids.append(request_id)
         outputs = self._run(ids, use_tqdm)
-        self.engine.write_run_records()  # with a run dir: every request so far, the report
+        try:  # with a run dir: the report over every request so far
+            self.engine.write_run_records()
+        except Exception:  # noqa: BLE001 - records failing to write never cost the outputs
+            logger.exception("writing the run's records failed; the outputs are returned")
         return outputs
 
     def _params_per_prompt(self, sp, n: int) -> list[SamplingParams]:

@@ -17,18 +17,24 @@ A benchmark dir (``BenchDir``) of ``sarathi-pp bench``::
     <scheduler>/probes/rate-<r>/      capacity mode: one run dir per probe
     peer-<name>/                      the peer's requests.csv and summary.json
     comparison.json, tbt_cdf.png, ttft_cdf.png
+
+A folder that is not empty is refused unless ``overwrite``; with it, exactly the files and
+folders above are removed before the new run writes (``clear``), and nothing else: a file
+of the user's own in the folder stays. Nothing is created or removed before the run's
+inputs have been checked (``check`` only looks; ``create`` writes).
 """
 
 from __future__ import annotations
 
 import csv
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
 
-from sarathi_pp.config import EngineConfig
+from sarathi_pp.config import SCHEDULER_POLICIES, EngineConfig
 from sarathi_pp.outputs import RequestOutput, tpot
 
 if TYPE_CHECKING:
@@ -57,8 +63,17 @@ REQUEST_COLUMNS = (
 )  # fmt: skip
 
 
-def prepare_dir(path: str | Path, overwrite: bool) -> Path:
-    """Create ``path``; refuse a non-empty one unless ``overwrite``, or a file."""
+RUN_FILES = (
+    CONFIG_FILE, EVENTS_FILE, REQUESTS_FILE, SUMMARY_FILE, TRACE_FILE, TIMELINE_FILE,
+    PROFILE_FILE, CAPACITY_FILE,
+)  # fmt: skip
+BENCH_FILES = (COMPARISON_FILE, TBT_CDF_FILE, TTFT_CDF_FILE)
+PEER_PREFIX = "peer-"
+
+
+def check_dir(path: str | Path, overwrite: bool) -> Path:
+    """``path`` as a folder a run may write: missing, empty, or (``overwrite``) used;
+    ``ValueError`` otherwise. Looks only."""
     d = Path(path)
     if d.exists() and not d.is_dir():
         raise ValueError(f"run dir {str(d)!r} exists and is not a directory")
@@ -66,18 +81,45 @@ def prepare_dir(path: str | Path, overwrite: bool) -> Path:
         raise ValueError(
             f"run dir {str(d)!r} is not empty; pass overwrite=True (--overwrite) to reuse it"
         )
-    d.mkdir(parents=True, exist_ok=True)
     return d
 
 
+def _unlink(path: Path) -> None:
+    if path.is_file() or path.is_symlink():
+        path.unlink()
+
+
+def _rmdir_if_empty(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+        path.rmdir()
+
+
 @dataclass(frozen=True)
-class _Dir:
+class _Dir(ABC):
     path: Path
 
     @classmethod
+    def check(cls, path: str | Path, overwrite: bool = False) -> Self:
+        """A dir a run may write (see ``check_dir``); nothing is created yet."""
+        return cls(check_dir(path, overwrite))
+
+    @classmethod
     def prepare(cls, path: str | Path, overwrite: bool = False) -> Self:
-        """The folder at ``path``, created; a non-empty one is refused unless ``overwrite``."""
-        return cls(prepare_dir(path, overwrite))
+        """``check``, then ``create``: for callers whose inputs are checked already."""
+        d = cls.check(path, overwrite)
+        d.create(overwrite)
+        return d
+
+    def create(self, overwrite: bool = False) -> None:
+        """Create the folder; with ``overwrite`` remove what an earlier run wrote there."""
+        check_dir(self.path, overwrite)  # the folder may have changed since ``check``
+        self.path.mkdir(parents=True, exist_ok=True)
+        if overwrite:
+            self.clear()
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Remove what the project writes in this kind of folder, and nothing else."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +136,19 @@ class RunDir(_Dir):
     def probe(self, rate: float) -> Path:
         """Capacity mode: the run dir of the probe at ``rate`` requests/s."""
         return self.path / PROBES_DIR / f"rate-{rate:.4g}"
+
+    def clear(self) -> None:
+        """Remove the files a run writes here, and the probes' run dirs (``RUN_FILES``,
+        ``probes/rate-*``); folders left empty go too. Nothing else."""
+        for name in RUN_FILES:
+            _unlink(self.path / name)
+        probes = self.path / PROBES_DIR
+        if probes.is_dir() and not probes.is_symlink():
+            for d in probes.glob("rate-*"):
+                if d.is_dir() and not d.is_symlink():
+                    RunDir(d).clear()
+                    _rmdir_if_empty(d)
+            _rmdir_if_empty(probes)
 
     def write_config(self, config: EngineConfig) -> None:
         self.config.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
@@ -119,7 +174,19 @@ class BenchDir(_Dir):
 
     @staticmethod
     def peer_name(peer: str) -> str:
-        return f"peer-{peer}"
+        return f"{PEER_PREFIX}{peer}"
+
+    def clear(self) -> None:
+        """Remove ``BENCH_FILES`` and the run dirs of every scheduler and peer (each by
+        ``RunDir.clear``; folders left empty go too). Nothing else."""
+        for name in BENCH_FILES:
+            _unlink(self.path / name)
+        runs = [self.path / p for p in SCHEDULER_POLICIES]
+        runs += sorted(self.path.glob(f"{PEER_PREFIX}*"))
+        for d in runs:
+            if d.is_dir() and not d.is_symlink():
+                RunDir(d).clear()
+                _rmdir_if_empty(d)
 
 
 def request_row(out: RequestOutput, t0: float) -> dict:

@@ -104,7 +104,8 @@ class Bench:
         self.workload = workload
         self.options = options
         self.bar = bar  # (description, total) -> a tqdm-like object (update, close)
-        self.bench_dir = BenchDir.prepare(options.run_dir, options.overwrite)
+        # Checked now, created (and with --overwrite cleared) once the requests are checked.
+        self.bench_dir = BenchDir.check(options.run_dir, options.overwrite)
         self.dir = self.bench_dir.path
         self.engine: Any = None
         self.requests: list[BenchRequest] = []
@@ -127,6 +128,7 @@ class Bench:
             self.start()
         engine, requests = self.engine, self.requests
         try:
+            self.bench_dir.create(self.options.overwrite)
             runs = [self._run_scheduler(engine, s, requests) for s in self.options.schedulers]
             model_dir, placement = engine.model_dir, engine.placement
         finally:

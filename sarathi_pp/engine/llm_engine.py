@@ -38,7 +38,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, executor: str | None = None) -> None:
         run_dir = None
         if config.run.run_dir is not None:  # refuse a used run dir before any work
-            run_dir = RunDir.prepare(config.run.run_dir, config.run.overwrite)
+            run_dir = RunDir.check(config.run.run_dir, config.run.overwrite)
         self.config = config
         self.checkpoint = load_checkpoint(config.model)
         self.inputs = InputProcessor(config.model, self.checkpoint)
@@ -64,7 +64,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, eos_ids, self.max_model_len)
         self.recorder: Recorder = NullRecorder()
         if run_dir is not None:
-            self.recorder = RunRecorder(run_dir, self.resolved_config, self.now())
+            overwrite = config.run.overwrite
+            self.recorder = RunRecorder(run_dir, self.resolved_config, self.now(), overwrite)
 
     def _init_cache_and_scheduler(self, config: EngineConfig) -> None:
         self.placement = self.executor.placement  # device, dtype, threads, M_G, block size
@@ -145,6 +146,7 @@ class LLMEngine:
     ) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.scheduler.check_room()  # QueueFullError at scheduler.max_waiting
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if prompt_token_ids is None:
@@ -158,7 +160,7 @@ class LLMEngine:
         )
         self._requests[request_id] = seq
         self.outputs.add(seq)
-        self.recorder.added(request_id)
+        self.recorder.added(arrival)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
@@ -242,9 +244,9 @@ class LLMEngine:
         each scheduler its own run dir. Only while no request is unfinished."""
         if self.has_unfinished_requests():
             raise RuntimeError("start_run needs an idle engine (requests are unfinished)")
-        self.recorder = RunRecorder(
-            RunDir.prepare(run_dir, overwrite), self.resolved_config, self.now()
-        )
+        self.recorder.close()
+        run = RunDir.check(run_dir, overwrite)
+        self.recorder = RunRecorder(run, self.resolved_config, self.now(), overwrite)
 
     def write_run_records(self) -> dict[str, Any] | None:
         """Write the run dir's records (``requests.csv``, ``events.jsonl``) and rebuild the
@@ -252,4 +254,5 @@ class LLMEngine:
         return self.recorder.write(self.now())
 
     def shutdown(self) -> None:
+        self.recorder.close()
         self.executor.shutdown()

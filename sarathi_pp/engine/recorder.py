@@ -1,23 +1,32 @@
-"""A run's records: what the engine loop reports, kept for the run dir.
+"""A run's records: what the engine loop reports, streamed into the run dir.
 
-``RunRecorder`` writes ``config.yaml`` when the run starts, keeps the event log (issue,
-idle, done, stage and chunk-size records) and every finished request, and on ``write``
-stores ``events.jsonl`` and ``requests.csv`` and rebuilds the report. ``NullRecorder``
-takes the same calls and keeps nothing (no run dir): the loop never asks which it has.
+``RunRecorder`` writes nothing until the first request is added (a run whose input is
+refused leaves the folder as it was): then it creates the run dir (with ``overwrite``,
+removing what an earlier run wrote there), writes ``config.yaml``, and from then on
+appends ``events.jsonl`` records and one ``requests.csv`` row per finished request as they
+happen, flushed at least every second, so a crash loses at most the last second and a
+long run holds no growing list. ``write`` flushes and rebuilds the report. A record that
+cannot be written (disk full, folder removed) is logged once and recording stops; the
+run and its outputs go on. ``NullRecorder`` takes the same calls and keeps nothing.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import csv
+import logging
+import time
+from typing import IO, Any, Protocol
 
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.events import EventLog
 from sarathi_pp.microbatch import MicroBatch, StepResult
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.report import write_report
-from sarathi_pp.run_dir import RunDir
+from sarathi_pp.run_dir import REQUEST_COLUMNS, RunDir, request_row
 from sarathi_pp.scheduler import Scheduler
 from sarathi_pp.scheduler.base import IDLE_NO_WORK
+
+logger = logging.getLogger(__name__)
 
 
 class Recorder(Protocol):
@@ -28,9 +37,10 @@ class Recorder(Protocol):
     def idle(self, now: float, reason: str | None) -> None: ...
     def issued(self, microbatch: MicroBatch, now: float) -> None: ...
     def completed(self, microbatch: MicroBatch, result: StepResult, now: float) -> None: ...
-    def added(self, request_id: str) -> None: ...
+    def added(self, arrival_time: float) -> None: ...
     def finished(self, output: RequestOutput) -> None: ...
     def write(self, now: float) -> dict[str, Any] | None: ...
+    def close(self) -> None: ...
 
 
 class NullRecorder:
@@ -50,7 +60,7 @@ class NullRecorder:
     def completed(self, microbatch: MicroBatch, result: StepResult, now: float) -> None:
         pass
 
-    def added(self, request_id: str) -> None:
+    def added(self, arrival_time: float) -> None:
         pass
 
     def finished(self, output: RequestOutput) -> None:
@@ -59,51 +69,110 @@ class NullRecorder:
     def write(self, now: float) -> dict[str, Any] | None:
         return None
 
+    def close(self) -> None:
+        pass
+
 
 class RunRecorder:
-    """Records into ``run_dir`` (prepared by the caller); ``config`` is the resolved config."""
+    """Records into ``run_dir`` (checked, not created, by the caller); ``config`` is the
+    resolved config, ``now`` the log's time origin."""
 
-    def __init__(self, run_dir: RunDir, config: EngineConfig, now: float) -> None:
+    def __init__(self, run_dir: RunDir, config: EngineConfig, now: float, overwrite: bool) -> None:
         self.run_dir = run_dir
-        run_dir.write_config(config)
+        self.config = config
+        self.overwrite = overwrite
         self.events = EventLog(config.parallel.pipeline_parallel_size, now, config.to_dict())
-        # Every request added in this run, in order; its output once finished.
-        self.outputs: dict[str, RequestOutput | None] = {}
+        self._requests: IO[str] | None = None  # requests.csv, open once the run dir is
+        self._rows: Any = None  # its csv writer
+        self._rows_flushed_at = 0.0
+        self._t0: float | None = None  # the first request's arrival: requests.csv's origin
+        self._broken = False  # a write failed: recording stopped
 
+    # --- the loop's records (held until the run dir opens, then streamed) ------------------
     def before_schedule(self, now: float, scheduler: Scheduler) -> None:
         """The budget in force before each scheduling attempt: the log records it the first
         time and whenever it changed (``chunk_size: auto`` re-plans on add and finish)."""
         if scheduler.chunks_prompts:
-            self.events.chunk_size(now, scheduler.chunk_size)
+            self._safely(self.events.chunk_size, now, scheduler.chunk_size)
 
     def idle(self, now: float, reason: str | None) -> None:
         assert reason is not None, "the scheduler issued nothing without saying why"
-        self.events.idle(now, reason)
+        self._safely(self.events.idle, now, reason)
 
     def issued(self, microbatch: MicroBatch, now: float) -> None:
         mb = microbatch
-        self.events.issue(
-            mb.microbatch_id, now, mb.kind, mb.num_prefill_tokens, mb.num_decode_tokens
-        )
+        self._safely(
+            self.events.issue,
+            mb.microbatch_id, now, mb.kind, mb.num_prefill_tokens, mb.num_decode_tokens,
+        )  # fmt: skip
 
     def completed(self, microbatch: MicroBatch, result: StepResult, now: float) -> None:
-        self.events.done(microbatch.microbatch_id, now)
+        self._safely(self.events.done, microbatch.microbatch_id, now)
         for e in result.events:
-            self.events.stage(e)
+            self._safely(self.events.stage, e)
 
-    def added(self, request_id: str) -> None:
-        self.outputs[request_id] = None
+    def added(self, arrival_time: float) -> None:
+        """A checked request joined the run: the run dir opens with the first one."""
+        if self._t0 is None:
+            self._t0 = arrival_time
+        if self._requests is None:
+            self._safely(self._open)
 
     def finished(self, output: RequestOutput) -> None:
-        self.outputs[output.request_id] = output
+        self._safely(self._write_row, output)
 
-    def write(self, now: float) -> dict[str, Any]:
-        """``requests.csv`` (finished requests, in the order added), ``events.jsonl`` and
-        the report files; the run's summary (``summary.json``)."""
-        self.run_dir.write_requests([o for o in self.outputs.values() if o is not None])
-        self.events.end_idle(now)
-        self.events.write(self.run_dir.events)
+    # --- files -------------------------------------------------------------------------
+    def _open(self) -> None:
+        self.run_dir.create(self.overwrite)
+        self.run_dir.write_config(self.config)
+        self.events.stream_to(open(self.run_dir.events, "w"))  # noqa: SIM115 - closed in close()
+        self._requests = open(self.run_dir.requests, "w", newline="")  # noqa: SIM115
+        self._rows = csv.DictWriter(self._requests, fieldnames=REQUEST_COLUMNS)
+        self._rows.writeheader()
+        self._requests.flush()
+
+    def _write_row(self, output: RequestOutput) -> None:
+        if self._requests is None:
+            self._open()
+        t0 = output.metrics.arrival_time if self._t0 is None else self._t0
+        row = request_row(output, t0)
+        self._rows.writerow({k: ("" if v is None else v) for k, v in row.items()})
+        if time.monotonic() - self._rows_flushed_at >= EventLog.FLUSH_EVERY_S:
+            self._flush()
+
+    def _flush(self) -> None:
+        self.events.flush()
+        if self._requests is not None:
+            self._requests.flush()
+        self._rows_flushed_at = time.monotonic()
+
+    def _safely(self, fn: Any, *args: Any) -> None:
+        if self._broken:
+            return
+        try:
+            fn(*args)
+        except OSError as e:
+            self._broken = True
+            logger.error("recording into %s stopped: %s (the run goes on)", self.run_dir.path, e)
+
+    def write(self, now: float) -> dict[str, Any] | None:
+        """Flush ``events.jsonl`` and ``requests.csv`` and rebuild the report files; the
+        run's summary (``summary.json``), or ``None`` when recording failed."""
+        if self._requests is None:
+            self._safely(self._open)  # a run with no request: its records all the same
+        self._safely(self.events.end_idle, now)
+        self._safely(self._flush)
         # Until the next request the engine has no work: a later call's log then shows the
         # gap as no_work, not as a scheduling bubble.
-        self.events.idle(now, IDLE_NO_WORK)
+        self._safely(self.events.idle, now, IDLE_NO_WORK)
+        if self._broken:
+            return None
         return write_report(self.run_dir.path)
+
+    def close(self) -> None:
+        """Flush and close the files (the engine shuts down, or another run starts)."""
+        self._safely(self._flush)
+        for f in (self.events.detach(), self._requests):
+            if f is not None:
+                f.close()
+        self._requests = None

@@ -97,6 +97,10 @@ def test_unknown_dotted_key_names_it_and_lists_allowed():
         (dict(num_microbatches_in_flight=0), "num_microbatches_in_flight.*0"),
         (dict(model=""), "model.*''"),
         (dict(max_model_len=0), "max_model_len.*0"),
+        (dict(max_waiting=0), "max_waiting.*0"),
+        (dict(overwrite="false"), "overwrite must be true or false, got 'false'"),
+        (dict(run_dir=""), "run_dir.*''"),
+        (dict(run_dir=7), "run_dir.*7"),
     ],
 )
 def test_bad_values_raise_value_error_naming_the_value(kwargs, match):

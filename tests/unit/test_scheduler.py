@@ -608,3 +608,19 @@ def test_decodes_spread_over_the_microbatches_in_flight(policy):
     assert max(decodes) <= -(-12 // k)
     # ...and in steady state (all 12 decoding) each micro-batch carries about a third of them.
     assert decodes.count(4) >= 20, decodes
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_max_waiting_refuses_past_the_limit(policy):
+    from sarathi_pp.scheduler.base import QueueFullError
+
+    sched = make_scheduler(policy, max_waiting=2)
+    reqs = make_requests(3, seed=3)
+    sched.add(make_seq(reqs[0]))
+    sched.add(make_seq(reqs[1]))
+    with pytest.raises(QueueFullError, match=r"2 requests wait \(scheduler.max_waiting=2\)"):
+        sched.add(make_seq(reqs[2]))
+    assert len(sched.waiting) == 2 and 2 not in sched.seqs
+    microbatch = sched.schedule(10.0)  # both admitted: the queue has room again
+    assert microbatch is not None and not sched.waiting
+    sched.add(make_seq(reqs[2]))
