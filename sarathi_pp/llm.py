@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,23 +55,33 @@ class LLM:
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        on_finished: Callable[[int, RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         All prompts and parameters are checked before any work runs: a bad one raises
         ``ValueError`` naming its index. A request that fails while running finishes with
         ``finish_reason == "error"`` in its own output; the others complete.
+        ``on_finished(index, output)`` is called as each request finishes (in completion
+        order; the CLI streams ``--output`` with it). If the call is interrupted (Ctrl-C) or
+        the pipeline is lost, this call's unfinished requests are aborted (they leave the
+        engine, their blocks freed) before the exception propagates.
         """
         items = _as_prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(items))
         requests = [self._prepare(i, p) for i, p in enumerate(items)]
-        ids = []
-        for (text, token_ids), sp in zip(requests, params):
-            request_id = str(self._request_counter)
-            self._request_counter += 1
-            self.engine.add_request(request_id, text, sp, prompt_token_ids=token_ids)
-            ids.append(request_id)
-        outputs = self._run(ids, use_tqdm)
+        ids: list[str] = []
+        try:
+            for (text, token_ids), sp in zip(requests, params):
+                request_id = str(self._request_counter)
+                self._request_counter += 1
+                self.engine.add_request(request_id, text, sp, prompt_token_ids=token_ids)
+                ids.append(request_id)
+            outputs = self._run(ids, use_tqdm, on_finished)
+        except BaseException:
+            for request_id in ids:  # none of this call's requests outlives it
+                self.engine.abort(request_id)
+            raise
         try:  # with a run dir: the report over every request so far
             self.engine.write_run_records()
         except Exception:  # noqa: BLE001 - records failing to write never cost the outputs
@@ -115,9 +126,15 @@ class LLM:
         self.engine.validate_prompt(token_ids, where)
         return text, token_ids
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self,
+        ids: list[str],
+        use_tqdm: bool,
+        on_finished: Callable[[int, RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
+        index = {request_id: i for i, request_id in enumerate(ids)}
         pending = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(
@@ -130,6 +147,8 @@ class LLM:
                         pending.discard(out.request_id)
                         done[out.request_id] = out
                         bar.update(1)
+                        if on_finished is not None:
+                            on_finished(index[out.request_id], out)
         finally:
             bar.close()
         return [done[i] for i in ids]

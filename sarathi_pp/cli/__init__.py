@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from sarathi_pp.cli import bench, generate, plan, profile, report
-from sarathi_pp.cli.common import PROG, UsageError
+from sarathi_pp.cli.common import PROG, UsageError, sigterm_as_interrupt
 
 SUBCOMMANDS = (generate, report, bench, plan, profile)
 
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     Usage errors raise ``SystemExit(2)``, as argparse does for bad flags.
     """
     args = build_parser().parse_args(argv)
+    sigterm_as_interrupt()
     try:
         return args.func(args)
     except UsageError as e:

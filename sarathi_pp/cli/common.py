@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -132,6 +134,26 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The engine config: defaults < ``--config`` file < flags and ``--set``."""
     return load_config(args.config, **config_overrides(args))
+
+
+_received: list[int] = []  # the last signal ``sigterm_as_interrupt`` turned into Ctrl-C
+
+
+def sigterm_as_interrupt() -> None:
+    """Treat SIGTERM like Ctrl-C (``KeyboardInterrupt`` where the engine allows one), so a
+    run stopped by a job scheduler flushes its records and keeps its finished outputs."""
+
+    def handler(signum: int, frame: Any) -> None:
+        _received[:] = [signum]
+        signal.raise_signal(signal.SIGINT)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+
+
+def received_signal() -> int | None:
+    """SIGTERM if ``sigterm_as_interrupt``'s handler ran, else ``None``."""
+    return _received[-1] if _received else None
 
 
 def progress_bar(desc: str, total: int) -> Any:

@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import IO, Any
 
-from sarathi_pp.cli.common import PROG, add_engine_args, config_from_args, user_errors
+from sarathi_pp.cli.common import (
+    PROG,
+    add_engine_args,
+    config_from_args,
+    received_signal,
+    user_errors,
+)
+from sarathi_pp.engine.llm_engine import EngineDeadError
+from sarathi_pp.executors import StageError
 from sarathi_pp.sampling_params import SamplingParams
 
 # Above this many prompts a progress bar is drawn even when stderr is not a terminal.
@@ -162,6 +172,9 @@ def summary_line(records: list[dict[str, Any]], wall_s: float) -> str:
 
 # --- the subcommand ---------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
+    """Generate; a run stopped by Ctrl-C or SIGTERM (exit 130 / 143) or by a lost pipeline
+    (exit 1) keeps every request that finished: ``--output FILE`` gets one line per request
+    as it finishes (completion order) and, at a clean end, is rewritten in prompt order."""
     from sarathi_pp.llm import LLM  # loads the engine: only once the arguments are known good
 
     with user_errors():
@@ -170,25 +183,76 @@ def run(args: argparse.Namespace) -> int:
         prompts = collect_prompts(args)
         check_output_path(args.output)
         llm = LLM(config=config)
+    sink = None
     try:  # from here on the stages are up: released whatever happens
         with user_errors():
             requests = [tokenized_prompt(llm, i, p) for i, p in enumerate(prompts)]
+        sink = FinishedSink(args.output)
         use_tqdm = should_show_progress(args.progress, len(prompts), sys.stderr)
         start = time.perf_counter()
-        outputs = llm.generate(requests, params, use_tqdm=use_tqdm)
+        outputs = llm.generate(requests, params, use_tqdm=use_tqdm, on_finished=sink.add)
         wall_s = time.perf_counter() - start
+    except (KeyboardInterrupt, StageError, EngineDeadError) as e:
+        return stopped(e, llm, sink, len(prompts))
     finally:
         llm.shutdown()
+        if sink is not None:
+            sink.close()
     records = [result_record(i, out) for i, out in enumerate(outputs)]
     if args.output is None:
         print_readable(records, sys.stdout)
     elif args.output == "-":
         write_jsonl(records, sys.stdout)
     else:
-        with open(args.output, "w", encoding="utf-8") as f:
-            write_jsonl(records, f)
+        write_atomically(args.output, records)
     print(summary_line(records, wall_s), file=sys.stderr)
     return 1 if any(r["error"] for r in records) else 0
+
+
+class FinishedSink:
+    """``--output FILE``: one JSON line per request as it finishes, flushed at once."""
+
+    def __init__(self, path: str | None) -> None:
+        self.file = None
+        if path is not None and path != "-":
+            self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.num_finished = 0
+
+    def add(self, index: int, out: Any) -> None:
+        self.num_finished += 1
+        if self.file is not None:
+            write_jsonl([result_record(index, out)], self.file)
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def write_atomically(path: str, records: list[dict[str, Any]]) -> None:
+    """The records in prompt order, replacing ``path`` in one step (never half a file)."""
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        write_jsonl(records, f)
+    os.replace(tmp, path)
+
+
+def stopped(error: BaseException, llm: Any, sink: FinishedSink | None, num_prompts: int) -> int:
+    """A run that could not finish: records flushed, what finished kept, a clear line."""
+    try:
+        llm.engine.write_run_records()
+    except Exception as e:  # noqa: BLE001 - the finished outputs matter more
+        print(f"{PROG}: could not write the run's records: {e}", file=sys.stderr)
+    done = sink.num_finished if sink is not None else 0
+    kept = f" (in {sink.file.name})" if sink is not None and sink.file is not None else ""
+    if isinstance(error, KeyboardInterrupt):
+        signum = received_signal() or signal.SIGINT
+        print(f"{PROG}: stopped by {signal.Signals(signum).name}: {done} of {num_prompts} "
+              f"requests finished{kept}", file=sys.stderr)  # fmt: skip
+        return 128 + signum
+    print(f"{PROG}: error: {error}; {done} of {num_prompts} requests finished{kept}",
+          file=sys.stderr)  # fmt: skip
+    return 1
 
 
 def tokenized_prompt(llm: Any, index: int, text: str) -> dict[str, Any]:

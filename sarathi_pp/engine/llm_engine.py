@@ -19,6 +19,7 @@ from typing import Any
 from sarathi_pp.checkpoint import load_checkpoint
 from sarathi_pp.config import EngineConfig, SchedulerConfig
 from sarathi_pp.engine.input_processor import InputProcessor
+from sarathi_pp.engine.interrupts import deferred_interrupts
 from sarathi_pp.engine.output_processor import OutputProcessor
 from sarathi_pp.engine.recorder import NullRecorder, Recorder, RunRecorder
 from sarathi_pp.executors import Executor, StageError, create_executor
@@ -32,6 +33,10 @@ from sarathi_pp.scheduler.base import IDLE_DEPENDENCY
 from sarathi_pp.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine lost its pipeline for good; the message says why."""
 
 
 class LLMEngine:
@@ -58,6 +63,8 @@ class LLMEngine:
             self.executor.shutdown()
             raise
         self._inflight: deque[MicroBatch] = deque()
+        self._aborted: list[RequestOutput] = []  # final outputs of aborts, for the next step
+        self.dead_reason: str | None = None  # set when the pipeline is lost for good
         self._seq_ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
         eos_ids = self.inputs.eos_token_ids()
@@ -144,6 +151,7 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
     ) -> None:
+        self._check_alive()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.scheduler.check_room()  # QueueFullError at scheduler.max_waiting
@@ -164,13 +172,23 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
-        seq = self._requests.pop(request_id, None)
+        """End the request; its final output (``finish_reason="abort"``) comes with the next
+        ``step()``. Its blocks are freed at once, or when its micro-batch in flight is done."""
+        seq = self._requests.get(request_id)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED, self.now())
-            self.outputs.drop(seq)
+            self._aborted.append(self._output(seq))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._inflight)
+
+    def is_alive(self) -> bool:
+        """False once the pipeline is lost for good (``dead_reason`` says why)."""
+        return self.dead_reason is None
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead_reason}")
 
     @property
     def num_inflight(self) -> int:
@@ -179,30 +197,64 @@ class LLMEngine:
 
     # --- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self._issue()
-        if not self._inflight:
-            return []
+        """Issue what can be issued, wait for the oldest micro-batch, apply it. Whatever
+        is raised (Ctrl-C included), the micro-batches in flight are abandoned and their
+        sequences recomputed later: the engine stays consistent and usable. A lost
+        pipeline (``StageError``) ends the engine: ``is_alive()`` turns false."""
+        self._check_alive()
         try:
+            self._issue()
+            if not self._inflight:
+                return self._take_aborted()
             microbatch, result = self.executor.wait_oldest()
-        except StageError:
+            assert microbatch.microbatch_id == self._inflight[0].microbatch_id, microbatch
+            with deferred_interrupts():
+                outputs = self._apply(microbatch, result)
+                self._inflight.popleft()
+        except StageError as e:
+            self.dead_reason = str(e)
+            self._abandon_inflight(resync=False)
             self.shutdown()  # the pipeline is broken: release the stages, then report
             raise
-        expected = self._inflight.popleft()
-        assert microbatch.microbatch_id == expected.microbatch_id, (microbatch, expected)
-        return self._apply(microbatch, result)
+        except BaseException:
+            self._abandon_inflight()
+            raise
+        return self._take_aborted() + outputs
+
+    def _take_aborted(self) -> list[RequestOutput]:
+        aborted, self._aborted = self._aborted, []
+        return aborted
+
+    def _abandon_inflight(self, resync: bool = True) -> None:
+        """The micro-batches in flight will not be applied: the executor forgets them
+        (``resync``) and their sequences are recomputed (preempted by recompute: outputs
+        unchanged). Stages that cannot be brought back in step end the engine."""
+        with deferred_interrupts():
+            lost = list(self._inflight)
+            self._inflight.clear()
+            self.scheduler.on_microbatches_lost(lost)
+            if not resync:
+                return
+            try:
+                self.executor.reset()
+            except Exception as e:  # noqa: BLE001 - reported as the engine's death
+                logger.exception("the stages could not be resynchronised")
+                self.dead_reason = f"the stages could not be resynchronised: {e}"
+                self.shutdown()
 
     def _issue(self) -> None:
         """Issue every micro-batch the scheduler can, up to the in-flight limit."""
         while len(self._inflight) < self.max_inflight:
             now = self.now()
-            self.recorder.before_schedule(now, self.scheduler)
-            microbatch = self.scheduler.schedule(now)
-            if microbatch is None:
-                self.recorder.idle(now, self.scheduler.idle_reason)
-                return
-            self.recorder.issued(microbatch, now)
+            with deferred_interrupts():  # scheduled and tracked, or neither
+                self.recorder.before_schedule(now, self.scheduler)
+                microbatch = self.scheduler.schedule(now)
+                if microbatch is None:
+                    self.recorder.idle(now, self.scheduler.idle_reason)
+                    return
+                self.recorder.issued(microbatch, now)
+                self._inflight.append(microbatch)
             self.executor.submit(microbatch)
-            self._inflight.append(microbatch)
         # the in-flight limit holds the next micro-batch back
         self.recorder.idle(self.now(), IDLE_DEPENDENCY)
 

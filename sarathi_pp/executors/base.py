@@ -9,7 +9,9 @@ Contract (``Executor``): ``placement`` is the resolved placement of the stages (
 placement rule on the resources the executor sees); ``load_model()`` -> per-stage memory
 figures; ``init_kv_cache``; ``submit(microbatch)`` issues a micro-batch (it may run
 asynchronously); ``wait_oldest()`` returns the oldest outstanding micro-batch with its
-``StepResult``; micro-batches complete in issue order.
+``StepResult``; micro-batches complete in issue order. ``reset()`` forgets every
+micro-batch in flight (an interrupted step): their results are never returned, and the
+next ``submit`` starts afresh.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Executor(Protocol):
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
     def submit(self, microbatch: MicroBatch) -> None: ...
     def wait_oldest(self) -> tuple[MicroBatch, StepResult]: ...
+    def reset(self) -> None: ...
     def shutdown(self) -> None: ...
 
 

@@ -220,6 +220,13 @@ class RayExecutor:
                 stage_idx, f"micro-batch {microbatch.microbatch_id} failed: {e.cause!r}"
             ) from e
 
+    def reset(self) -> None:
+        """Forget the micro-batches in flight. The stages still run them, in order and
+        before anything submitted later (Ray runs an actor's calls in submission order), so
+        whatever K/V they write is overwritten before a later micro-batch reads it; their
+        results are dropped with their references."""
+        self._inflight.clear()
+
     def shutdown(self) -> None:
         ray = self._ray
         for a in self.actors:

@@ -146,6 +146,18 @@ class TorchrunExecutor:
         result.events = [event, *middle, last_event]
         return microbatch, result
 
+    def reset(self) -> None:
+        """Forget the micro-batches in flight: the other ranks still run them (in order,
+        before anything sent later), so their results and timings are received and dropped,
+        keeping the control plane in step."""
+        pending, self._inflight = list(self._inflight), deque()
+        last = self.num_stages - 1
+        for _, local, _ in pending:
+            if local is None:  # the last rank answers for it
+                self.control.results.recv(last, "an abandoned micro-batch's tokens")
+                for rank in range(1, last):
+                    self.control.events.recv(rank, "stage timing")
+
     def shutdown(self) -> None:
         if self._closed:
             return

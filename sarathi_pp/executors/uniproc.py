@@ -55,6 +55,10 @@ class UniprocExecutor:
     def wait_oldest(self) -> tuple[MicroBatch, StepResult]:
         return self._done.popleft()
 
+    def reset(self) -> None:
+        self._done.clear()
+        self._free_since = time.monotonic()
+
     def shutdown(self) -> None:
         self._done.clear()
 

@@ -163,6 +163,24 @@ class Scheduler(ABC):
             self._release_if_idle(self.seqs_by_id(chunk.seq_id))
         return updated
 
+    def on_microbatches_lost(self, microbatches: list[MicroBatch]) -> list[Sequence]:
+        """Micro-batches issued whose results will never come (an interrupted step, a lost
+        stage): ``microbatches`` must be every one in flight. Each sequence they hold is
+        recomputed from its prompt and the tokens it has (preempted by recompute, so its
+        output is unchanged); a finished one is freed. Returns the sequences requeued."""
+        ids = {c.seq_id for mb in microbatches for c in mb.chunks}
+        held = {i: self.seqs[i] for i in sorted(ids) if i in self.seqs}  # freed ones are gone
+        requeued = []
+        for seq in held.values():
+            seq.num_inflight = 0
+            if seq.is_finished:
+                self._release_if_idle(seq)
+            elif seq.status is SequenceStatus.RUNNING:
+                self._preempt(seq)
+                requeued.append(seq)
+        assert all(s.num_inflight == 0 for s in self.seqs.values()), "a micro-batch was missed"
+        return requeued
+
     def seqs_by_id(self, seq_id: int) -> Sequence:
         # Known until freed, even after ``finish``: a micro-batch in flight may still hold it.
         return self.seqs[seq_id]

@@ -293,12 +293,17 @@ def test_online_engine_abort_frees_blocks(llama_dir):
     for _ in range(5):
         engine.step()
     engine.abort("1")
+    engine.abort("1")  # twice: still one final output
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            assert out.request_id != "1"
+            assert out.finished or out.request_id != "1"
             if out.finished:
+                assert out.request_id not in finished
                 finished[out.request_id] = out
-    assert set(finished) == {"0", "2"}
+    assert set(finished) == {"0", "1", "2"}  # the abort's final output came with a step
+    assert finished["1"].outputs[0].finish_reason == "abort"
+    assert 0 < len(finished["1"].outputs[0].token_ids) < 50
+    assert engine.step() == []  # nothing more for it
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
