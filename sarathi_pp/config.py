@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from sarathi_pp.faults import parse_faults
+
 GiB = 1 << 30
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -154,11 +156,19 @@ class ParallelConfig:
     stage_timeout_s: float = 300.0
     """How long to wait for a stage (a micro-batch's result or its input) before failing
     with an error that names the stage."""
+    max_stage_restarts: int = 1
+    """Ray: how many times a lost stage actor is replaced (new actors, weights reloaded,
+    running requests recomputed) before the engine gives up with ``StageError``."""
+    inject_fault: str | None = None
+    """Testing only: faults the stages inject (``sarathi_pp/faults.py`` has the format)."""
 
     def __post_init__(self) -> None:
         _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         _check_opt_int("num_microbatches_in_flight", self.num_microbatches_in_flight, 1)
         _check_opt_int("num_threads_per_stage", self.num_threads_per_stage, 1)
+        _check_int("max_stage_restarts", self.max_stage_restarts, 0)
+        if self.inject_fault is not None:
+            parse_faults(self.inject_fault)
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if (
@@ -246,6 +256,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "executor": ("parallel", "executor"),
     "num_threads_per_stage": ("parallel", "num_threads_per_stage"),
     "stage_timeout_s": ("parallel", "stage_timeout_s"),
+    "max_stage_restarts": ("parallel", "max_stage_restarts"),
     "run_dir": ("run", "run_dir"),
     "overwrite": ("run", "overwrite"),
 }

@@ -99,3 +99,6 @@ class StepResult:
     sampled: dict[int, int] = field(default_factory=dict)  # seq_id -> token id
     errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why it failed
     events: list[StageEvent] = field(default_factory=list)  # each stage's timing of it
+    # Set when the micro-batch raised on a stage ("stage S: Error: ..."): the executor
+    # then retries its sequences one at a time, so only a request that fails alone fails.
+    failure: str | None = None

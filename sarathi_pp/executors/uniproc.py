@@ -18,6 +18,7 @@ from sarathi_pp.microbatch import MicroBatch, StepResult
 from sarathi_pp.placement import resolve_placement
 from sarathi_pp.planner.memory import StageMemory
 from sarathi_pp.stages.device import probe_resources, set_num_threads
+from sarathi_pp.stages.fault_injector import FaultInjector
 from sarathi_pp.stages.worker import StageSpec, StageWorker, to_step_result
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class UniprocExecutor:
         set_num_threads(self.placement.num_threads)
         stage = StageSpec.of(self.placement, 0)
         self.worker = StageWorker(checkpoint.spec, checkpoint.path, stage, checkpoint.max_model_len)
+        self.faults = FaultInjector(config.parallel.inject_fault, 0)
         self._done: deque[tuple[MicroBatch, StepResult]] = deque()
         self._free_since = time.monotonic()
 
@@ -64,6 +66,7 @@ class UniprocExecutor:
 
     def _run(self, microbatch: MicroBatch) -> StepResult:
         try:
+            self.faults.before(microbatch)
             return to_step_result(self.worker.execute(microbatch))
         except Exception as e:  # noqa: BLE001 - isolate the request(s) that fail
             if len(microbatch.chunks) == 1:

@@ -19,7 +19,7 @@ Every stage's run is cut into contiguous segments, each ``busy`` or one bubble c
    micro-batch) to ``compute_start(j)``; it includes ``input_ready -> compute_start``.
 
    - Stage 0, up to ``r = input_ready(j)`` (the micro-batch reached the stage): where a scheduler
-     ``idle`` record overlaps, its reason (``no_work`` / ``dependency``); elsewhere
+     ``idle`` record overlaps, its reason (``no_work`` / ``dependency`` / ``recovery``); elsewhere
      ``schedule``. After ``r`` (the micro-batch is there, compute not started): ``schedule``.
    - Stage s > 0, split at ``c = compute_end(s-1, j)``: after ``c`` (the transfer and
      receive) is ``comm``. Before ``c`` (length ``L``): let ``G`` be stage s-1's own wait
@@ -55,8 +55,11 @@ from typing import NamedTuple
 
 from sarathi_pp.report.log import RunLog
 
-BUBBLE_CLASSES = ("PB1", "PB2", "PB3", "hybrid", "comm", "dependency", "schedule", "no_work")
-SCHEDULER_CLASSES = ("no_work", "dependency", "schedule")
+BUBBLE_CLASSES = (
+    "PB1", "PB2", "PB3", "hybrid", "comm", "dependency", "schedule", "recovery", "no_work",
+)  # fmt: skip
+# ``recovery``: the engine replacing a lost stage (``parallel.max_stage_restarts``).
+SCHEDULER_CLASSES = ("no_work", "dependency", "schedule", "recovery")
 BUSY = "busy"
 
 

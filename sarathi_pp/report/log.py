@@ -18,7 +18,7 @@ from typing import Any
 from sarathi_pp.events import StageEvent, read_events
 
 KINDS = ("prefill", "decode", "hybrid")
-IDLE_REASONS = ("no_work", "dependency")
+IDLE_REASONS = ("no_work", "dependency", "recovery")
 _STAGE_FIELDS = (
     "stage",
     "mb",

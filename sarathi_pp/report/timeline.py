@@ -26,6 +26,7 @@ CLASS_COLORS = {
     "comm": "#17becf",
     "dependency": "#8c564b",
     "schedule": "#7f7f7f",
+    "recovery": "#bcbd22",
     "no_work": "#1a1a1a",
 }
 LABEL_MAX_MICROBATCHES = 40  # above this many per stage the boxes are too narrow for ids
@@ -82,7 +83,7 @@ def _stage_rows(ax: Any, log: RunLog, analysis: BubbleAnalysis, scale: float) ->
 
 def _scheduler_row(ax: Any, log: RunLog, scale: float) -> None:
     y = log.num_stages
-    for reason in ("no_work", "dependency"):
+    for reason in ("no_work", "dependency", "recovery"):
         spans = [
             (i.start * scale, (i.end - i.start) * scale) for i in log.idles if i.reason == reason
         ]

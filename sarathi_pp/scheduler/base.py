@@ -25,6 +25,7 @@ from sarathi_pp.sequence import Sequence, SequenceStatus
 # Why the scheduler had nothing to issue (recorded as bubble causes on stage 0).
 IDLE_NO_WORK = "no_work"  # no request has arrived (or everything is finished)
 IDLE_DEPENDENCY = "dependency"  # work exists but waits for sampled tokens or free KV blocks
+IDLE_RECOVERY = "recovery"  # the engine is replacing a lost stage
 
 Selection = list[tuple[Sequence, int]]  # (sequence, number of tokens to issue)
 
