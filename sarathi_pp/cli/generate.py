@@ -22,7 +22,7 @@ from sarathi_pp.cli.common import (
     received_signal,
     user_errors,
 )
-from sarathi_pp.engine.llm_engine import EngineDeadError
+from sarathi_pp.engine import EngineDeadError
 from sarathi_pp.executors import StageError
 from sarathi_pp.sampling_params import SamplingParams
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import ModelConfig
+from sarathi_pp.sampling_params import SamplingParams
 from sarathi_pp.tokenizer import has_tokenizer, load_tokenizer
 
 
@@ -23,6 +24,18 @@ class InputProcessor:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
+
+    def request_tokens(
+        self, request_id: str, prompt: str | None, params: Any, token_ids: list[int] | None
+    ) -> list[int]:
+        """A request's prompt token ids (``prompt`` tokenized when none are given)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if token_ids is not None:
+            return list(token_ids)
+        if not isinstance(prompt, str):
+            raise TypeError(f"request {request_id!r}: prompt must be a string, got {prompt!r}")
+        return self.tokenize(prompt) if prompt else []
 
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:

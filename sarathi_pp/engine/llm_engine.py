@@ -3,8 +3,9 @@
 One ``step()`` issues every micro-batch the scheduler can issue (up to the in-flight limit:
 the number of pipeline stages by default), waits for the oldest in flight and applies its
 sampled tokens. Around the loop: ``InputProcessor`` (tokenizer, prompt checks),
-``OutputProcessor`` (stop checks, text, ``RequestOutput``) and a recorder (the run dir's records, or nothing). The loop imports no torch: executors
-are reached by name (``executors.create_executor``).
+``OutputProcessor`` (stop checks, text, ``RequestOutput``), a recorder (the run dir's
+records, or nothing) and ``PipelineFaults`` (failed steps). The loop imports no torch:
+executors are reached by name (``executors.create_executor``).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from sarathi_pp.config import EngineConfig, SchedulerConfig
 from sarathi_pp.engine.input_processor import InputProcessor
 from sarathi_pp.engine.interrupts import deferred_interrupts
 from sarathi_pp.engine.output_processor import OutputProcessor
+from sarathi_pp.engine.pipeline_faults import PipelineFaults
 from sarathi_pp.engine.recorder import NullRecorder, Recorder, RunRecorder
-from sarathi_pp.executors import Executor, StageError, create_executor
+from sarathi_pp.executors import Executor, create_executor
 from sarathi_pp.microbatch import MicroBatch, StepResult
 from sarathi_pp.outputs import RequestOutput
+from sarathi_pp.placement.partition import check_num_stages
 from sarathi_pp.planner.memory import engine_decode_batch, num_kv_blocks
 from sarathi_pp.run_dir import RunDir
 from sarathi_pp.sampling_params import SamplingParams
@@ -35,11 +38,7 @@ from sarathi_pp.sequence import Sequence, SequenceStatus
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine lost its pipeline for good; the message says why."""
-
-
-class LLMEngine:
+class LLMEngine(PipelineFaults):
     def __init__(self, config: EngineConfig, executor: str | None = None) -> None:
         run_dir = None
         if config.run.run_dir is not None:  # refuse a used run dir before any work
@@ -48,12 +47,7 @@ class LLMEngine:
         self.checkpoint = load_checkpoint(config.model)
         self.inputs = InputProcessor(config.model, self.checkpoint)
         self.tokenizer = self.inputs.tokenizer
-        num_stages = config.parallel.pipeline_parallel_size
-        if num_stages > self.spec.num_layers:
-            raise ValueError(
-                f"pipeline_parallel_size={num_stages} exceeds the model's "
-                f"{self.spec.num_layers} layers: every stage needs at least one"
-            )
+        check_num_stages(self.spec, config.parallel.pipeline_parallel_size)
         self.executor: Executor = create_executor(
             executor or config.parallel.executor_name, config, self.checkpoint
         )
@@ -64,7 +58,6 @@ class LLMEngine:
             raise
         self._inflight: deque[MicroBatch] = deque()
         self._aborted: list[RequestOutput] = []  # final outputs of aborts, for the next step
-        self.dead_reason: str | None = None  # set when the pipeline is lost for good
         self._seq_ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
         eos_ids = self.inputs.eos_token_ids()
@@ -90,19 +83,16 @@ class LLMEngine:
     spec = property(lambda self: self.checkpoint.spec)
     model_dir = property(lambda self: self.checkpoint.path)
     max_model_len = property(lambda self: self.checkpoint.max_model_len)
-    run_dir = property(
-        lambda self: None if self.recorder.run_dir is None else self.recorder.run_dir.path
-    )
+    run_dir = property(lambda self: self.recorder.path)
 
     @property
     def resolved_config(self) -> EngineConfig:
         """The config in force with every ``auto`` and default resolved."""
+        p = self.placement
         return self.config.replace(
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
-            dtype=self.placement.dtype,
-            device=self.placement.device,
-        )
+            max_model_len=self.max_model_len, block_size=p.block_size, dtype=p.dtype,
+            device=p.device,
+        )  # fmt: skip
 
     def set_scheduler(self, **overrides: Any) -> None:
         """Switch scheduler settings (``policy``, ``chunk_size``, ...) between workloads,
@@ -155,13 +145,8 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.scheduler.check_room()  # QueueFullError at scheduler.max_waiting
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if prompt_token_ids is None:
-            if not isinstance(prompt, str):
-                raise TypeError(f"request {request_id!r}: prompt must be a string, got {prompt!r}")
-            prompt_token_ids = self.tokenize(prompt) if prompt else []
-        self.validate_prompt(list(prompt_token_ids), f"request {request_id!r}")
+        prompt_token_ids = self.inputs.request_tokens(request_id, prompt, params, prompt_token_ids)
+        self.validate_prompt(prompt_token_ids, f"request {request_id!r}")
         arrival = self.now() if arrival_time is None else arrival_time
         seq = Sequence(
             next(self._seq_ids), request_id, list(prompt_token_ids), params, arrival, prompt=prompt
@@ -181,14 +166,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._inflight)
-
-    def is_alive(self) -> bool:
-        """False once the pipeline is lost for good (``dead_reason`` says why)."""
-        return self.dead_reason is None
-
-    def _check_alive(self) -> None:
-        if self.dead_reason is not None:
-            raise EngineDeadError(f"engine is dead: {self.dead_reason}")
 
     @property
     def num_inflight(self) -> int:
@@ -211,36 +188,14 @@ class LLMEngine:
             with deferred_interrupts():
                 outputs = self._apply(microbatch, result)
                 self._inflight.popleft()
-        except StageError as e:
-            self.dead_reason = str(e)
-            self._abandon_inflight(resync=False)
-            self.shutdown()  # the pipeline is broken: release the stages, then report
-            raise
-        except BaseException:
-            self._abandon_inflight()
-            raise
+        except BaseException as e:
+            self._on_step_failure(e)  # re-raises unless a lost stage was replaced
+            return self._take_aborted()
         return self._take_aborted() + outputs
 
     def _take_aborted(self) -> list[RequestOutput]:
         aborted, self._aborted = self._aborted, []
         return aborted
-
-    def _abandon_inflight(self, resync: bool = True) -> None:
-        """The micro-batches in flight will not be applied: the executor forgets them
-        (``resync``) and their sequences are recomputed (preempted by recompute: outputs
-        unchanged). Stages that cannot be brought back in step end the engine."""
-        with deferred_interrupts():
-            lost = list(self._inflight)
-            self._inflight.clear()
-            self.scheduler.on_microbatches_lost(lost)
-            if not resync:
-                return
-            try:
-                self.executor.reset()
-            except Exception as e:  # noqa: BLE001 - reported as the engine's death
-                logger.exception("the stages could not be resynchronised")
-                self.dead_reason = f"the stages could not be resynchronised: {e}"
-                self.shutdown()
 
     def _issue(self) -> None:
         """Issue every micro-batch the scheduler can, up to the in-flight limit."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import logging
 import time
+from pathlib import Path
 from typing import IO, Any, Protocol
 
 from sarathi_pp.config import EngineConfig
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 class Recorder(Protocol):
     @property
     def run_dir(self) -> RunDir | None: ...
+    @property
+    def path(self) -> Path | None: ...
 
     def before_schedule(self, now: float, scheduler: Scheduler) -> None: ...
     def idle(self, now: float, reason: str | None) -> None: ...
@@ -47,6 +50,7 @@ class NullRecorder:
     """No run dir: records nothing."""
 
     run_dir = None
+    path = None
 
     def before_schedule(self, now: float, scheduler: Scheduler) -> None:
         pass
@@ -79,6 +83,7 @@ class RunRecorder:
 
     def __init__(self, run_dir: RunDir, config: EngineConfig, now: float, overwrite: bool) -> None:
         self.run_dir = run_dir
+        self.path = run_dir.path
         self.config = config
         self.overwrite = overwrite
         self.events = EventLog(config.parallel.pipeline_parallel_size, now, config.to_dict())

@@ -9,7 +9,8 @@ Contract (``Executor``): ``placement`` is the resolved placement of the stages (
 placement rule on the resources the executor sees); ``load_model()`` -> per-stage memory
 figures; ``init_kv_cache``; ``submit(microbatch)`` issues a micro-batch (it may run
 asynchronously); ``wait_oldest()`` returns the oldest outstanding micro-batch with its
-``StepResult``; micro-batches complete in issue order. ``reset()`` forgets every
+``StepResult``; micro-batches complete in issue order. Ray's executor also has
+``restart()``, which replaces lost stages (``StageLost``). ``reset()`` forgets every
 micro-batch in flight (an interrupted step): their results are never returned, and the
 next ``submit`` starts afresh.
 """
@@ -35,6 +36,11 @@ class StageError(RuntimeError):
     def __init__(self, stage_idx: int, message: str) -> None:
         super().__init__(f"pipeline stage {stage_idx}: {message}")
         self.stage_idx = stage_idx
+
+
+class StageLost(StageError):
+    """A stage's process is gone (its actor died): an executor that can ``restart`` may
+    replace it (``parallel.max_stage_restarts``)."""
 
 
 class Executor(Protocol):

@@ -27,6 +27,15 @@ def head_cost(spec: ModelSpec, sampled_fraction: float) -> float:
     return sampled_fraction * 2.0 * spec.hidden_size * spec.vocab_size
 
 
+def check_num_stages(spec: ModelSpec, num_stages: int) -> None:
+    """``ValueError`` unless every stage can have at least one decoder layer."""
+    if num_stages > spec.num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size={num_stages} exceeds the model's "
+            f"{spec.num_layers} layers: every stage needs at least one"
+        )
+
+
 def partition_layers(
     spec: ModelSpec, num_stages: int, sampled_fraction: float = 0.25
 ) -> list[tuple[int, int]]:
