@@ -4,7 +4,8 @@ Control plane: the driver (the engine, with the scheduler) calls ``run(microbatc
 stage actor for every micro-batch; Ray runs an actor's calls in submission order, so all
 stages see the micro-batches in issue order. Data plane: the actors pass hidden states
 between themselves over ``torch.distributed`` send/recv (gloo on CPU, NCCL on CUDA) in a
-process group this module sets up (master = stage 0's node IP, a free port). Only the last
+process group this module sets up (master = stage 0's node IP, or 127.0.0.1 when every stage
+is on one node, at a port stage 0 holds open until the group is formed). Only the last
 stage's sampled tokens come back to the driver.
 """
 
@@ -129,9 +130,22 @@ class RayExecutor:
                     name=None,
                 ).remote(StageSpec.of(placement, i), checkpoint, config.parallel)
             )
-        addr, port = self._get([self.actors[0].address.remote()], "rendezvous")[0]
+        # On one node the stages' rendezvous and gloo stay on loopback (nothing listens outside).
+        loopback = self._stages_share_a_node()
+        addr, port = self._get([self.actors[0].address.remote(loopback)], "rendezvous")[0]
         self._get([a.init_group.remote(addr, port) for a in self.actors], "process group set-up")
         self.clock_offsets = [self._clock_offset(a) for a in self.actors]
+
+    def _stages_share_a_node(self) -> bool:
+        """Whether the placement group put every stage on one node (then they can meet on
+        127.0.0.1); False when Ray cannot say."""
+        from ray.util import placement_group_table
+
+        try:
+            nodes = set(placement_group_table(self._pg)["bundles_to_node_id"].values())
+        except Exception:  # noqa: BLE001 - an older Ray without the field: assume several
+            return False
+        return len(nodes) == 1
 
     def _clock_offset(self, actor) -> float:
         """The actor's monotonic clock minus the driver's, from the tightest of a few

@@ -9,9 +9,12 @@ group (from torchrun's environment; NCCL on CUDA, gloo on CPU) is the data plane
 states. Three gloo side groups form the control plane (``ControlPlane``): rank 0 sends each
 micro-batch to every rank on ``microbatches``; the last rank sends each micro-batch's
 sampled tokens, or its error, back to rank 0 on ``results``; middle ranks send their timing
-on ``events``. A middle rank that fails exits; the stage after it then fails its receive
-(closed connection or timeout, naming the stages) and that error travels to rank 0 the
-same way.
+on ``events``; set-up figures (each stage's memory, then the KV cache shape) go on
+``setup``. Every message is plain data (``comm/codec.py``, no pickle) with a size limit
+(``comm/objects.py``), and a message of the wrong kind is an error naming its rank. When
+every rank is on this machine, gloo binds the loopback interface (``ranks_on_one_node``).
+A middle rank that fails exits; the stage after it then fails its receive (closed
+connection or timeout, naming the stages) and that error travels to rank 0 the same way.
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from sarathi_pp.checkpoint import Checkpoint, load_checkpoint
-from sarathi_pp.comm.dist_setup import pick_backend
+from sarathi_pp.comm.dist_setup import bind_gloo_to_loopback, is_loopback, pick_backend
 from sarathi_pp.comm.objects import ObjectChannel
 from sarathi_pp.comm.p2p import StageCommError
 from sarathi_pp.config import EngineConfig
@@ -44,7 +48,7 @@ class ControlPlane:
     microbatches: ObjectChannel  # rank 0 -> every other rank
     results: ObjectChannel  # last rank -> rank 0: sampled tokens or the error
     events: ObjectChannel  # middle ranks -> rank 0: their timing of each micro-batch
-    setup: object  # gloo group for the one-off collectives of set-up
+    setup: ObjectChannel  # set-up: StageMemory to rank 0, (num_blocks, block_size) back
 
 
 def check_world_size(config: EngineConfig) -> None:
@@ -68,16 +72,26 @@ def torchrun_resources() -> Resources:
     return dataclasses.replace(local, num_cuda_devices=num_cuda, description="this torchrun node")
 
 
+def ranks_on_one_node(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether every rank runs on this machine: torchrun started them all here
+    (``LOCAL_WORLD_SIZE == WORLD_SIZE``) or the rendezvous is on loopback (``--standalone``
+    sets ``MASTER_ADDR=localhost``)."""
+    local, world = env.get("LOCAL_WORLD_SIZE"), env.get("WORLD_SIZE")
+    return (local is not None and local == world) or is_loopback(env.get("MASTER_ADDR", ""))
+
+
 def join_pipeline(config: EngineConfig, placement: Placement) -> ControlPlane:
     """Join torchrun's process group (the data plane) and create the control plane."""
     t = config.parallel.stage_timeout_s
     timeout = timedelta(seconds=t)
+    if ranks_on_one_node():
+        bind_gloo_to_loopback()  # before any gloo group exists; GLOO_SOCKET_IFNAME wins
     dist.init_process_group(backend=pick_backend(placement.device), timeout=timeout)
     return ControlPlane(
         microbatches=ObjectChannel(dist.new_group(backend="gloo", timeout=timeout), t),
         results=ObjectChannel(dist.new_group(backend="gloo", timeout=timeout), t),
         events=ObjectChannel(dist.new_group(backend="gloo", timeout=timeout), t),
-        setup=dist.new_group(backend="gloo", timeout=timeout),
+        setup=ObjectChannel(dist.new_group(backend="gloo", timeout=timeout), t),
     )
 
 
@@ -111,12 +125,21 @@ class TorchrunExecutor:
         self._closed = False
 
     def load_model(self) -> list[StageMemory]:
-        memories: list = [None] * self.num_stages
-        dist.all_gather_object(memories, self.stage.load_model(), group=self.control.setup)
+        memories = [self.stage.load_model()]
+        for rank in range(1, self.num_stages):
+            try:
+                memory = self.control.setup.recv(rank, "the stage's memory")
+            except StageCommError as e:
+                raise StageError(rank, str(e)) from e
+            if not isinstance(memory, StageMemory) or memory.stage_idx != rank:
+                raise _unexpected(rank, memory, f"stage {rank}'s StageMemory")
+            memories.append(memory)
         return memories
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        dist.broadcast_object_list([(num_blocks, block_size)], src=0, group=self.control.setup)
+        for rank in range(1, self.num_stages):
+            self.control.setup.send((num_blocks, block_size), rank)
+        self.control.setup.flush()
         self.stage.init_kv_cache(num_blocks, block_size)
 
     def submit(self, microbatch: MicroBatch) -> None:
@@ -135,16 +158,29 @@ class TorchrunExecutor:
             message = self.control.results.recv(last, f"micro-batch {mb_id}'s tokens")
         except StageCommError as e:  # the last rank died or the wait timed out
             raise StageError(last, str(e)) from e
+        if not (isinstance(message, tuple) and len(message) == 4 and message[0] in _RESULT_KINDS):
+            raise _unexpected(last, message, "a result")
         kind, stage_idx, got_id, payload = message
         if kind == "error":
             raise StageError(stage_idx, f"micro-batch {got_id} failed: {payload}")
         if got_id != mb_id:
             raise StageError(stage_idx, f"sent micro-batch {got_id}, expected {mb_id}")
+        if not (isinstance(payload, tuple) and tuple(map(type, payload)) == _OK_PAYLOAD):
+            raise _unexpected(last, payload, "(StepResult, StageEvent)")
         result, last_event = payload
         # Middle ranks sent their timing of this micro-batch before the last could finish it.
-        middle = [self.control.events.recv(r, "stage timing") for r in range(1, last)]
+        middle = [self._stage_timing(r) for r in range(1, last)]
         result.events = [event, *middle, last_event]
         return microbatch, result
+
+    def _stage_timing(self, rank: int) -> StageEvent:
+        try:
+            event = self.control.events.recv(rank, "stage timing")
+        except StageCommError as e:
+            raise StageError(rank, str(e)) from e
+        if not isinstance(event, StageEvent):
+            raise _unexpected(rank, event, "a StageEvent")
+        return event
 
     def reset(self) -> None:
         """Forget the micro-batches in flight: the other ranks still run them (in order,
@@ -171,6 +207,15 @@ class TorchrunExecutor:
         self.stage.shutdown()
 
 
+_RESULT_KINDS = ("ok", "error")
+_OK_PAYLOAD = (StepResult, StageEvent)
+
+
+def _unexpected(rank: int, got: object, expected: str) -> StageError:
+    """A well-formed message of the wrong kind: the ranks disagree on the protocol."""
+    return StageError(rank, f"sent {repr(got)[:200]} where {expected} was expected")
+
+
 def resolve_stage(config: EngineConfig) -> tuple[Checkpoint, Placement]:
     """What ``serve_stage`` runs; bad settings raise here, before any group is joined."""
     check_world_size(config)
@@ -184,18 +229,23 @@ def serve_stage(
     """Ranks 1..P-1: run one stage on every micro-batch rank 0 sends, until ``None``."""
     control = join_pipeline(config, placement)
     stage = _make_stage(config, checkpoint, placement, rank)
-    dist.all_gather_object([None] * placement.num_stages, stage.load_model(), group=control.setup)
-    box: list = [None]
-    dist.broadcast_object_list(box, src=0, group=control.setup)
-    stage.init_kv_cache(*box[0])
+    control.setup.send(stage.load_model(), 0)
+    shape = control.setup.recv(0, "the KV cache shape")
+    if not (isinstance(shape, tuple) and tuple(map(type, shape)) == (int, int)):
+        raise _unexpected(0, shape, "(num_blocks, block_size)")
+    control.setup.flush()
+    stage.init_kv_cache(*shape)
     is_last = stage.stage.is_last
     while (microbatch := control.microbatches.recv(0, "the next micro-batch")) is not None:
+        if not isinstance(microbatch, MicroBatch):
+            raise _unexpected(0, microbatch, "a MicroBatch or None")
         mb_id = microbatch.microbatch_id
         try:
             result, event = stage.run(microbatch)
         except Exception as e:
             if is_last:  # rank 0 waits on the last rank: tell it what failed
-                control.results.send(("error", rank, mb_id, f"{type(e).__name__}: {e}"), 0)
+                text = f"{type(e).__name__}: {e}".encode(errors="replace").decode()
+                control.results.send(("error", rank, mb_id, text), 0)
                 control.results.flush()
             raise
         if is_last:

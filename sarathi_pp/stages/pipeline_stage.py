@@ -10,6 +10,7 @@ sampled tokens. Activations never pass through the control plane.
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 
 import torch
@@ -17,10 +18,10 @@ import torch
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.comm.dist_setup import (
     destroy_stage_group,
-    free_port,
     init_stage_group,
     node_ip,
     pick_backend,
+    rendezvous_listener,
 )
 from sarathi_pp.comm.p2p import StageTransport
 from sarathi_pp.config import ParallelConfig
@@ -44,16 +45,25 @@ class PipelineStage:
         # A stage may run this many micro-batches ahead of the next one (Note in comm/p2p).
         self.max_pending_sends = parallel.microbatches_in_flight + 1
         self.transport: StageTransport | None = None
+        self._listener: socket.socket | None = None  # stage 0's rendezvous, from address()
         self._free_since = time.monotonic()  # when the stage last became free
 
     # --- set-up ------------------------------------------------------------------------------
-    def address(self) -> tuple[str, int]:
-        """Where this stage (stage 0) can host the process group's rendezvous."""
-        return node_ip(), free_port()
+    def address(self, loopback: bool = False) -> tuple[str, int]:
+        """Where this stage (stage 0) hosts the process group's rendezvous: 127.0.0.1 when
+        every stage is on this node (``loopback``), else this node's IP; the port is held
+        open from now until ``init_group`` (no other process can take it meanwhile)."""
+        if self._listener is not None:
+            self._listener.close()
+        self._listener = rendezvous_listener("127.0.0.1" if loopback else node_ip())
+        addr, port = self._listener.getsockname()[:2]
+        return str(addr), int(port)
 
     def init_group(self, master_addr: str, master_port: int) -> None:
-        """Join the stages' process group (every stage calls this at once)."""
+        """Join the stages' process group (every stage calls this at once). A loopback
+        ``master_addr`` binds gloo to loopback too (``comm/dist_setup.py``)."""
         s = self.stage
+        listener, self._listener = self._listener, None
         init_stage_group(
             s.stage_idx,
             s.num_stages,
@@ -61,6 +71,7 @@ class PipelineStage:
             master_port,
             pick_backend(s.device),
             self.timeout_s,
+            listener=listener,
         )
         self.attach_transport()
 
