@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 SAMPLING_EPS = 1e-5
 
@@ -13,6 +16,10 @@ class SamplingParams:
 
     Defaults follow vLLM: ``temperature=1.0``, ``top_p=1.0``, ``top_k=0`` (off; ``-1`` is
     accepted as "off" too), ``max_tokens=16``. ``temperature=0`` means greedy.
+
+    Checked at construction (``ValueError`` naming the field and the value): integer fields
+    take any integer type (numpy's included; stored as ``int``) but not ``True``/``False``
+    or floats such as ``3.0``; ``temperature`` and ``top_p`` must be finite real numbers.
     """
 
     n: int = 1
@@ -28,14 +35,27 @@ class SamplingParams:
     use_beam_search: bool = False
 
     def __post_init__(self) -> None:
-        # Normalise list arguments so the value stays hashable and immutable.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        # Normalise so the value stays hashable and immutable, with plain Python types
+        # (numpy scalars would otherwise travel to the stages and into the outputs).
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        for name in ("n", "top_k", "max_tokens"):
+            set_(name, _as_int(name, getattr(self, name)))
+        for name in ("seed", "logprobs"):
+            value = getattr(self, name)
+            set_(name, None if value is None else _as_int(name, value, "an integer or None"))
+        for name in ("temperature", "top_p"):
+            set_(name, _as_finite(name, getattr(self, name)))
+        for name in ("ignore_eos", "use_beam_search"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        set_("stop", (self.stop,) if isinstance(self.stop, str) else _as_tuple("stop", self.stop))
+        ids = _as_tuple("stop_token_ids", self.stop_token_ids)
+        set_(
+            "stop_token_ids",
+            tuple(_as_int("stop_token_ids", t, "non-negative integers") for t in ids),
+        )
         if self.top_k == -1:
-            object.__setattr__(self, "top_k", 0)
+            set_("top_k", 0)
         self._validate()
 
     def _validate(self) -> None:
@@ -45,26 +65,50 @@ class SamplingParams:
             raise ValueError(f"logprobs={self.logprobs} is not supported yet")
         if self.use_beam_search:
             raise ValueError("beam search is not supported")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if self.top_k < 0:
             raise ValueError(
                 f"top_k must be 0 or -1 (off) or a positive integer, got {self.top_k!r}"
             )
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0:
+            if t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
 
     @property
     def is_greedy(self) -> bool:
         # As vLLM: a temperature this small is greedy (dividing by it would overflow).
         return self.temperature < SAMPLING_EPS
+
+
+def _as_int(name: str, value: Any, what: str = "an integer") -> int:
+    """``value`` as ``int``: any integer type (numpy's too), never a bool or a float."""
+    # bool is an Integral, but True as a token count or a seed is always a mistake.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _as_finite(name: str, value: Any) -> float:
+    """``value`` as ``float``: a finite real number (NaN would sample uniformly at random)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def _as_tuple(name: str, value: Any) -> tuple:
+    if value is None:
+        return ()
+    try:
+        return tuple(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a list, got {value!r}") from None
