@@ -9,6 +9,7 @@ Both the older ``rope_theta``/``rope_scaling`` keys and transformers 5's
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,13 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 
 
 @dataclass(frozen=True)
@@ -108,21 +116,14 @@ def spec_from_dict(cfg: dict[str, Any], source: str = "config.json") -> ModelSpe
             f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    for key in (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-    ):
-        if key not in cfg:
-            raise ValueError(f"{source}: missing {key!r}")
-    heads = int(cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    shape = _shape(cfg, source)
     theta, rope_type, rope_params = _rope(cfg)
     eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    eos_ids = tuple(_int(t, "eos_token_id", source, 0) for t in eos_ids)
     window = cfg.get("sliding_window")
+    if window is not None:
+        window = _int(window, "sliding_window", source)
     if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
         window = None
     if arch == "LlamaForCausalLM":
@@ -136,25 +137,72 @@ def spec_from_dict(cfg: dict[str, Any], source: str = "config.json") -> ModelSpe
         raise ValueError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
     return ModelSpec(
         architecture=arch,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=int(cfg["hidden_size"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
+        **shape,
+        rms_norm_eps=_real(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source, positive=True),
+        rope_theta=_real(theta, "rope_theta", source, positive=True),
         rope_type=rope_type,
         rope_params=rope_params,
         attention_bias=bias,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        sliding_window=None if window is None else int(window),
+        max_position_embeddings=_int(
+            cfg.get("max_position_embeddings", 2048), "max_position_embeddings", source
+        ),
+        sliding_window=window,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
     )
+
+
+def _shape(cfg: dict[str, Any], source: str) -> dict[str, int]:
+    """The tensor shapes' figures, checked (``ValueError`` naming the key): the weights are
+    checked against them when loaded, so nonsense here would fail every request instead."""
+    for key in REQUIRED_KEYS:
+        if key not in cfg:
+            raise ValueError(f"{source}: missing {key!r}")
+    got = {key: _int(cfg[key], key, source) for key in REQUIRED_KEYS}
+    heads, hidden = got["num_attention_heads"], got["hidden_size"]
+    kv_heads = cfg.get("num_key_value_heads")
+    kv_heads = heads if kv_heads is None else _int(kv_heads, "num_key_value_heads", source)
+    if heads % kv_heads:
+        raise ValueError(
+            f"{source}: num_key_value_heads={kv_heads} does not divide "
+            f"num_attention_heads={heads} (each KV head serves a whole group of query heads)"
+        )
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(
+                f"{source}: hidden_size={hidden} is not divisible by num_attention_heads={heads} "
+                "(and no head_dim is given)"
+            )
+        head_dim = hidden // heads
+    head_dim = _int(head_dim, "head_dim", source)
+    if head_dim % 2:
+        raise ValueError(f"{source}: head_dim={head_dim} must be even (rotary embeddings)")
+    return dict(
+        vocab_size=got["vocab_size"], hidden_size=hidden,
+        intermediate_size=got["intermediate_size"], num_layers=got["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+    )  # fmt: skip
+
+
+def _int(value: Any, key: str, source: str, minimum: int = 1) -> int:
+    """An integer config value ``>= minimum`` (``4.0`` is taken as 4; ``true`` is refused)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{source}: {key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _real(value: Any, key: str, source: str, positive: bool = False) -> float:
+    """A finite real config value (``> 0`` with ``positive``)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or (positive and value <= 0):
+        what = "a finite number > 0" if positive else "a finite number"
+        raise ValueError(f"{source}: {key} must be {what}, got {value!r}")
+    return float(value)
 
 
 def load_model_spec(model_dir: str | Path) -> ModelSpec:

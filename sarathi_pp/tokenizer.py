@@ -15,7 +15,8 @@ def has_tokenizer(path: str | Path) -> bool:
 def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    # Never run code shipped in the model folder (tokenizer_config.json's auto_map).
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
 
 
 class Detokenizer:

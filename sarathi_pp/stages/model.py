@@ -91,7 +91,7 @@ class StageModel:
         self.is_first, self.is_last = is_first, is_last
         self.layer_start, self.layer_end = layer_start, layer_end
         names = stage_tensor_names(spec, layer_start, layer_end, is_first, is_last)
-        w = load_tensors(model_dir, names, dtype, device)
+        w = load_tensors(model_dir, names, dtype, device, spec=spec)
         self.embed = w.get(EMBED)
         self.norm = w.get(NORM)
         self.lm_head = w.get(LM_HEAD, self.embed) if is_last else None
