@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sarathi_pp.config import EngineConfig
+from sarathi_pp.config import EngineConfig, GiB
 from sarathi_pp.model_spec import DTYPE_BYTES, ModelSpec
 from sarathi_pp.placement.partition import partition_layers
 
@@ -36,6 +36,10 @@ class Resources:
     """Whether the CUDA devices support bfloat16."""
     flash_attn: bool = False
     """Whether flash-attn is importable where the stages run."""
+    memory_bytes: int | None = None
+    """Memory this machine has for the stages (all of them when they share the machine:
+    one process, local Ray, torchrun on one node): its cgroup limit, else MemTotal. The CPU
+    memory budgets must fit in it; ``None``: unknown, not checked."""
     description: str = "this machine"
     """Where the figures come from, for messages."""
 
@@ -113,9 +117,13 @@ def resolve_threads(
 
 
 def resolve_memory(config: EngineConfig, device: str, resources: Resources) -> tuple[int, str]:
-    """M_G: ``cpu_memory_budget`` on CPU; device memory x ``gpu_memory_utilization`` on CUDA."""
+    """M_G: ``cpu_memory_budget`` on CPU; device memory x ``gpu_memory_utilization`` on CUDA.
+    On CPU the stages' budgets together must fit in ``resources.memory_bytes`` (``ValueError``
+    with the figures): the KV cache is allocated lazily, so an over-large budget would be
+    accepted now and end in an out-of-memory kill mid-run."""
     cache = config.cache
     if device != "cuda":
+        check_cpu_budget(cache.cpu_memory_budget, config.parallel.pipeline_parallel_size, resources)
         return cache.cpu_memory_budget, "cpu_memory_budget"
     if resources.cuda_memory_bytes is None:
         raise ValueError(f"the CUDA device memory of {resources.description} is unknown")
@@ -123,6 +131,20 @@ def resolve_memory(config: EngineConfig, device: str, resources: Resources) -> t
     return (
         int(total * cache.gpu_memory_utilization),
         f"gpu_memory_utilization {cache.gpu_memory_utilization} x {total} device bytes",
+    )
+
+
+def check_cpu_budget(budget: int, num_stages: int, resources: Resources) -> None:
+    """``num_stages`` x ``budget`` within the machine's memory, when it is known."""
+    memory = resources.memory_bytes
+    if memory is None or num_stages * budget <= memory:
+        return
+    gib = lambda n: f"{n} bytes ({n / GiB:.1f} GiB)"  # noqa: E731
+    raise ValueError(
+        f"cache.cpu_memory_budget={gib(budget)} x {num_stages} stage(s) = "
+        f"{gib(num_stages * budget)} is more than the {gib(memory)} {resources.description} "
+        f"has (its cgroup memory limit, or MemTotal without one): set cache.cpu_memory_budget "
+        f"to at most {memory // num_stages} bytes"
     )
 
 

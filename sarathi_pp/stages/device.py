@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -18,12 +19,61 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+CGROUP_V2_MAX = Path("/sys/fs/cgroup/memory.max")
+CGROUP_V1_LIMIT = Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")
+MEMINFO = Path("/proc/meminfo")
+
+
+def machine_memory_bytes(
+    cgroup_v2: Path = CGROUP_V2_MAX, cgroup_v1: Path = CGROUP_V1_LIMIT, meminfo: Path = MEMINFO
+) -> int | None:
+    """Memory this machine has for the stages: its ``MemTotal``, or this process's cgroup
+    limit (v2 ``memory.max``, else v1 ``memory.limit_in_bytes``) when one is set below it
+    (``max`` or v1's huge "unlimited" value is no limit). ``None`` if neither can be read.
+
+    A capacity, not ``MemAvailable``: what other processes use now comes and goes, and a
+    start-up refusal should not depend on it."""
+    total = _meminfo_kib(meminfo, "MemTotal")
+    total = None if total is None else total * 1024
+    for path in (cgroup_v2, cgroup_v1):
+        limit = _read_int(path)
+        if limit is not None:
+            return limit if total is None else min(limit, total)
+    return total
+
+
+def _read_int(path: Path) -> int | None:
+    """The integer a cgroup file holds; ``None`` if absent, unreadable or ``max``."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _meminfo_kib(path: Path, key: str) -> int | None:
+    """``key``'s figure in /proc/meminfo (kB, i.e. KiB); ``None`` if absent."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, rest = line.partition(":")
+        fields = rest.split()
+        if name.strip() == key and fields and fields[0].isdigit():
+            return int(fields[0])
+    return None
+
+
 def probe_resources() -> Resources:
-    """This machine: usable cores, CUDA devices (memory and bfloat16 of device 0), flash-attn."""
+    """This machine: usable cores, memory, CUDA devices (memory and bfloat16 of device 0),
+    flash-attn."""
+    memory = machine_memory_bytes()
     if not torch.cuda.is_available():
-        return Resources(num_cpu_cores=usable_cores())
+        return Resources(num_cpu_cores=usable_cores(), memory_bytes=memory)
     return Resources(
         num_cpu_cores=usable_cores(),
+        memory_bytes=memory,
         num_cuda_devices=torch.cuda.device_count(),
         cuda_memory_bytes=torch.cuda.get_device_properties(0).total_memory,
         cuda_bf16=torch.cuda.is_bf16_supported(),
