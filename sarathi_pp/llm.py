@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from sarathi_pp.config import EngineConfig, load_config, make_config
 from sarathi_pp.engine import LLMEngine
+from sarathi_pp.engine.input_processor import as_token_ids
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.sampling_params import SamplingParams
 
@@ -112,13 +114,14 @@ class LLM:
             text, token_ids = prompt, self.engine.tokenize(prompt)
         elif isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
+                token_ids = as_token_ids(prompt["prompt_token_ids"], where)
             elif isinstance(prompt.get("prompt"), str):
                 return self._prepare(index, prompt["prompt"])
             else:
                 raise ValueError(f"{where}: a dict prompt needs 'prompt_token_ids' or 'prompt'")
         elif isinstance(prompt, (list, tuple)):
-            text, token_ids = None, list(prompt)
+            text, token_ids = None, as_token_ids(prompt, where)
         else:
             raise TypeError(
                 f"{where} must be a string, a token id list or a dict, got {type(prompt).__name__}"
@@ -160,6 +163,8 @@ def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts given")
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-        return [prompts]  # one prompt given as token ids
+    if all(isinstance(t, numbers.Integral) for t in prompts):
+        # One prompt given as token ids (numpy's too); a bool among them is refused later,
+        # naming its position.
+        return [prompts]
     return prompts

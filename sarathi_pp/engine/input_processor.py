@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Iterable
 from typing import Any
 
 from sarathi_pp.checkpoint import Checkpoint
@@ -53,13 +56,15 @@ class InputProcessor:
         max_unchunked: int | None,
         policy: str,
     ) -> None:
-        """``ValueError`` naming ``where`` unless the prompt can run at all: in the
-        vocabulary, within ``max_model_len`` and the KV cache's ``kv_capacity`` tokens, and
-        within ``max_unchunked`` tokens when the policy does not chunk prompts."""
+        """``ValueError`` naming ``where`` unless the prompt can run at all: integers (see
+        ``as_token_ids``) in the vocabulary, within ``max_model_len`` and the KV cache's
+        ``kv_capacity`` tokens, and within ``max_unchunked`` tokens when the policy does not
+        chunk prompts."""
+        token_ids = as_token_ids(token_ids, where)
         if len(token_ids) == 0:
             raise ValueError(f"{where} is empty")
         vocab = self.checkpoint.spec.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"{where} has token ids outside [0, {vocab}): {bad[:5]}")
         n, max_len = len(token_ids), self.checkpoint.max_model_len
@@ -72,3 +77,46 @@ class InputProcessor:
                 f"{where} has {n} tokens, more than max_num_batched_tokens={max_unchunked} "
                 f"(scheduler {policy!r} does not chunk prompts)"
             )
+
+
+def as_token_ids(values: Iterable[Any], where: str) -> list[int]:
+    """``values`` as a list of plain ``int``: any integer type is accepted (numpy's too, so
+    ``np.array([...])`` or its elements can be passed), nothing else. ``ValueError`` naming
+    ``where``, the position and the value otherwise: ``True`` is not a token id."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ValueError(f"{where}: token ids must be a list of integers, got {values!r}")
+    token_ids = []
+    for idx, t in enumerate(values):
+        # bool is an Integral; numpy's bool_ is not.
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ValueError(
+                f"{where}: token id at position {idx} is {t!r} ({type(t).__name__}), not an integer"
+            )
+        token_ids.append(int(t))
+    return token_ids
+
+
+# How far past the engine's clock an arrival_time may be: clocks read a moment apart.
+ARRIVAL_SLACK_S = 1.0
+
+
+def arrival_or_now(arrival_time: Any, now: float) -> float:
+    """A request's arrival on the engine's clock (``time.monotonic()``): ``now`` when
+    ``arrival_time`` is None. A finite number not later than ``now`` (+ a second of slack)
+    is taken as is (a past arrival counts its wait); ``ValueError`` otherwise, since a
+    request that has not arrived yet is never scheduled (a ``time.time()`` value would
+    leave ``step()`` returning nothing forever)."""
+    if arrival_time is None:
+        return now
+    clock = "arrival_time is on time.monotonic()'s clock (LLMEngine.now()), not time.time()'s"
+    if isinstance(arrival_time, bool) or not isinstance(arrival_time, numbers.Real):
+        raise ValueError(f"arrival_time must be a number or None, got {arrival_time!r}; {clock}")
+    arrival = float(arrival_time)
+    if not math.isfinite(arrival):
+        raise ValueError(f"arrival_time must be finite, got {arrival_time!r}; {clock}")
+    if arrival > now + ARRIVAL_SLACK_S:
+        raise ValueError(
+            f"arrival_time={arrival_time!r} is {arrival - now:.3f} s later than the engine's "
+            f"clock now ({now:.3f}); {clock}"
+        )
+    return arrival

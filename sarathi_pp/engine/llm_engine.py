@@ -19,7 +19,7 @@ from typing import Any
 
 from sarathi_pp.checkpoint import load_checkpoint
 from sarathi_pp.config import EngineConfig, SchedulerConfig
-from sarathi_pp.engine.input_processor import InputProcessor
+from sarathi_pp.engine.input_processor import InputProcessor, arrival_or_now, as_token_ids
 from sarathi_pp.engine.interrupts import deferred_interrupts
 from sarathi_pp.engine.output_processor import OutputProcessor
 from sarathi_pp.engine.pipeline_faults import PipelineFaults
@@ -145,12 +145,12 @@ class LLMEngine(PipelineFaults):
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.scheduler.check_room()  # QueueFullError at scheduler.max_waiting
-        prompt_token_ids = self.inputs.request_tokens(request_id, prompt, params, prompt_token_ids)
-        self.validate_prompt(prompt_token_ids, f"request {request_id!r}")
-        arrival = self.now() if arrival_time is None else arrival_time
-        seq = Sequence(
-            next(self._seq_ids), request_id, list(prompt_token_ids), params, arrival, prompt=prompt
-        )
+        where = f"request {request_id!r}"
+        token_ids = self.inputs.request_tokens(request_id, prompt, params, prompt_token_ids)
+        token_ids = as_token_ids(token_ids, where)  # plain ints, never True, to the scheduler
+        self.validate_prompt(token_ids, where)
+        arrival = arrival_or_now(arrival_time, self.now())  # ValueError: not on our clock
+        seq = Sequence(next(self._seq_ids), request_id, token_ids, params, arrival, prompt=prompt)
         self._requests[request_id] = seq
         self.outputs.add(seq)
         self.recorder.added(arrival)
