@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sarathi_pp.cli import bench, generate, plan, profile, report
+from sarathi_pp.cli import bench, generate, plan, profile, report, serve
 from sarathi_pp.cli.common import PROG, UsageError, sigterm_as_interrupt
 
-SUBCOMMANDS = (generate, report, bench, plan, profile)
+SUBCOMMANDS = (generate, report, bench, plan, profile, serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

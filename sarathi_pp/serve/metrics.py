@@ -1,0 +1,81 @@
+"""``GET /metrics``: the server's Prometheus metrics, in a registry of their own (two servers
+in one process, as in the tests, never share or collide).
+
+Updated by the engine thread only: ``finished`` per finished request, ``engine_state``
+after every step (gauges read from the scheduler there, never from the HTTP thread).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds; a tiny CPU model answers in milliseconds, a large one in tens of seconds.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "sarathi_pp_requests", "Finished requests", ["finish_reason"], registry=r
+        )
+        self.prompt_tokens = Counter("sarathi_pp_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter(
+            "sarathi_pp_generation_tokens", "Generated tokens", registry=r
+        )
+        self.ttft = Histogram(
+            "sarathi_pp_time_to_first_token_seconds",
+            "Time to first token (arrival to first token)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tbt = Histogram(
+            "sarathi_pp_time_between_tokens_seconds",
+            "Time between consecutive generated tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "sarathi_pp_e2e_request_latency_seconds",
+            "End-to-end request latency (arrival to finish)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge("sarathi_pp_num_requests_running", "Running requests", registry=r)
+        self.waiting = Gauge("sarathi_pp_num_requests_waiting", "Waiting requests", registry=r)
+        self.kv_blocks_used = Gauge("sarathi_pp_kv_blocks_used", "KV blocks in use", registry=r)
+        self.kv_blocks_total = Gauge("sarathi_pp_kv_blocks_total", "KV blocks", registry=r)
+        self.preemptions = Counter("sarathi_pp_preemptions", "Preemptions", registry=r)
+        self._num_preemptions_seen = 0
+
+    def finished(self, out: Any) -> None:
+        """One finished ``RequestOutput``."""
+        completion = out.outputs[0]
+        self.requests.labels(finish_reason=completion.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(len(completion.token_ids))
+        m = out.metrics
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        for gap in m.tbt:
+            self.tbt.observe(gap)
+        if m.e2e_latency is not None:
+            self.e2e.observe(m.e2e_latency)
+
+    def engine_state(self, engine: Any) -> None:
+        scheduler = engine.scheduler
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        blocks = scheduler.block_manager
+        self.kv_blocks_total.set(blocks.num_blocks)
+        self.kv_blocks_used.set(blocks.num_blocks - blocks.num_free_blocks)
+        num_preemptions = scheduler.num_preemptions
+        if num_preemptions > self._num_preemptions_seen:
+            self.preemptions.inc(num_preemptions - self._num_preemptions_seen)
+        self._num_preemptions_seen = num_preemptions
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

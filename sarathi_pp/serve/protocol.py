@@ -1,0 +1,281 @@
+"""OpenAI's request and response shapes: a request body (parsed JSON) checked into a
+``GenerateRequest``, and the response, chunk and error objects built as plain dicts.
+
+Why hand-written checks instead of pydantic models: every mistake must be a 400 in
+OpenAI's error shape naming the field (FastAPI's own validation answers 422 in another
+shape), and the values themselves are checked once, by ``SamplingParams``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sarathi_pp.sampling_params import SamplingParams
+
+DEFAULT_MAX_TOKENS = 16
+
+# Parameters the engine lacks: accepted when missing, null or at their default (the
+# predicate), refused with a 400 otherwise.
+_UNSUPPORTED: dict[str, Any] = {
+    "n": lambda v: v == 1 and not isinstance(v, bool),
+    "best_of": lambda v: v == 1 and not isinstance(v, bool),
+    "presence_penalty": lambda v: v == 0 and not isinstance(v, bool),
+    "frequency_penalty": lambda v: v == 0 and not isinstance(v, bool),
+    "logprobs": lambda v: v is False or (v == 0 and not isinstance(v, bool)),
+    "top_logprobs": lambda v: v == 0 and not isinstance(v, bool),
+    "echo": lambda v: v is False,
+    "suffix": lambda v: v == "",
+    "logit_bias": lambda v: v == {},
+    "tools": lambda v: v == [],
+    "functions": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "parallel_tool_calls": lambda v: isinstance(v, bool),
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
+}
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+def error_body(
+    message: str, type: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One checked request: either ``prompt`` (text) or ``prompt_token_ids``, or for chat
+    ``messages`` (rendered by the engine thread, which owns the tokenizer)."""
+
+    model: str | None
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+# --- checks --------------------------------------------------------------------------------
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _get(body: dict[str, Any], key: str, kind: str, default: Any = None) -> Any:
+    """``body[key]`` (``default`` when missing or null) checked to be of ``kind``."""
+    value = body.get(key)
+    if value is None:
+        return default
+    ok = {
+        "int": _is_int,
+        "number": _is_number,
+        "bool": lambda x: isinstance(x, bool),
+        "str": lambda x: isinstance(x, str),
+        "dict": lambda x: isinstance(x, dict),
+    }[kind](value)
+    if not ok:
+        article = "an" if kind == "int" else "a"
+        raise bad_request(f"'{key}' must be {article} {kind}, got {value!r}", key)
+    return value
+
+
+def check_unsupported(body: dict[str, Any]) -> None:
+    for key, is_default in _UNSUPPORTED.items():
+        value = body.get(key)
+        if value is not None and not is_default(value):
+            raise bad_request(
+                f"'{key}'={value!r} is not supported by this server (only its default)", key
+            )
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad_request(f"'stop' must be a string or a list of non-empty strings: {stop!r}")
+    return tuple(stop)
+
+
+def sampling_params(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> SamplingParams:
+    max_tokens = DEFAULT_MAX_TOKENS
+    for key in max_tokens_keys:  # the first one given wins
+        if body.get(key) is not None:
+            max_tokens = _get(body, key, "int")
+            if max_tokens < 1:
+                raise bad_request(f"'{key}' must be >= 1, got {max_tokens}", key)
+            break
+    top_k = _get(body, "top_k", "int", 0)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(_get(body, "temperature", "number", 1.0)),
+            top_p=float(_get(body, "top_p", "number", 1.0)),
+            top_k=0 if top_k == -1 else top_k,  # vLLM spells "off" -1
+            seed=_get(body, "seed", "int"),
+            stop=_stop(body),
+            ignore_eos=_get(body, "ignore_eos", "bool", False),
+        )
+    except (ValueError, TypeError) as e:
+        raise bad_request(str(e)) from None
+
+
+def _common(body: Any, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    check_unsupported(body)
+    stream = _get(body, "stream", "bool", False)
+    options = _get(body, "stream_options", "dict", {})
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad_request("'stream_options.include_usage' must be a bool", "stream_options")
+    return {
+        "model": _get(body, "model", "str"),
+        "params": sampling_params(body, max_tokens_keys),
+        "stream": stream,
+        "include_usage": stream and include_usage,
+    }
+
+
+def completion_request(body: Any) -> GenerateRequest:
+    """``POST /v1/completions``: one prompt (text or token ids, alone or in a list of one)."""
+    common = _common(body, ("max_tokens",))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(_is_int(t) for t in prompt):
+        if len(prompt) != 1:
+            raise bad_request(
+                f"one prompt per request is supported, got a list of {len(prompt)}", "prompt"
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("'prompt' is empty", "prompt")
+        return GenerateRequest(prompt=prompt, **common)
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return GenerateRequest(prompt_token_ids=list(prompt), **common)
+    raise bad_request(
+        f"'prompt' must be a non-empty string or token id list, got {prompt!r}", "prompt"
+    )
+
+
+def chat_request(body: Any) -> GenerateRequest:
+    """``POST /v1/chat/completions``: ``messages`` of ``{"role", "content"}`` (text content,
+    or a list of ``{"type": "text", "text"}`` parts)."""
+    common = _common(body, ("max_completion_tokens", "max_tokens"))
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    return GenerateRequest(messages=[_message(i, m) for i, m in enumerate(messages)], **common)
+
+
+def _message(index: int, message: Any) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise bad_request(f"{where} must be an object with a string 'role'", "messages")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise bad_request(f"{where}: only text content parts are supported", "messages")
+            if not isinstance(part.get("text"), str):
+                raise bad_request(f"{where}: a text part needs a string 'text'", "messages")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise bad_request(f"{where}.content must be a string, got {content!r}", "messages")
+    return {"role": message["role"], "content": content}
+
+
+# --- responses -----------------------------------------------------------------------------
+def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+    }
+
+
+def completion_response(
+    request_id: str, model: str, text: str, finish_reason: str | None, use: dict[str, int]
+) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+    }
+
+
+def chat_response(
+    request_id: str, model: str, text: str, finish_reason: str | None, use: dict[str, int]
+) -> dict[str, Any]:
+    message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+    }
+
+
+def completion_chunk(
+    request_id: str, model: str, text: str, finish_reason: str | None
+) -> dict[str, Any]:
+    chunk = completion_response(request_id, model, text, finish_reason, {})
+    chunk["usage"] = None
+    return chunk
+
+
+def chat_chunk(
+    request_id: str, model: str, delta: dict[str, str], finish_reason: str | None
+) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": None,
+    }

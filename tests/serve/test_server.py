@@ -1,0 +1,302 @@
+"""``sarathi-pp serve`` end to end: the app under uvicorn on 127.0.0.1 (a free port, a
+background thread) over the tiny random Llama, driven by the official ``openai`` client and
+``httpx``. The oracle is ``LLM.generate`` on the same prompt (greedy)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from sarathi_pp import LLM, LLMEngine, SamplingParams, load_config  # noqa: E402
+from sarathi_pp.serve.server import build_server  # noqa: E402
+
+MODEL = "tiny"
+API_KEY = "test-key"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+GREEDY = {"temperature": 0.0}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(model_dir: Path, api_key: str | None = None, **overrides: Any) -> Iterator:
+    engine = LLMEngine(load_config(None, model=str(model_dir), **overrides))
+    server = build_server(engine, MODEL, "127.0.0.1", _free_port(), api_key, "warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    server.base_url = f"http://127.0.0.1:{port}"
+    try:
+        yield server
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a chat template (the byte tokenizer has none)."""
+    path = tmp_path_factory.mktemp("chat") / "llama"
+    shutil.copytree(llama_dir, path)
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(chat_model_dir: Path) -> Iterator:
+    with running_server(chat_model_dir, api_key=API_KEY) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> Any:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(chat_model_dir: Path) -> Iterator[LLM]:
+    llm = LLM(model=str(chat_model_dir))
+    yield llm
+    llm.shutdown()
+
+
+def _reference_text(llm: LLM, prompt: Any, max_tokens: int) -> str:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+
+
+def _post(server, path: str, body: Any, key: str | None = API_KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.base_url + path, content=content, headers=headers, timeout=30)
+
+
+# --- answers ---------------------------------------------------------------------------------
+def test_completion_equals_llm_generate(client, reference) -> None:
+    r = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=12, **GREEDY)
+    assert r.object == "text_completion"
+    assert r.choices[0].text == _reference_text(reference, "Hello world", 12)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens == len(reference.get_tokenizer().encode("Hello world"))
+
+    ids = [5, 70, 80, 90, 100]
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, **GREEDY)
+    assert r.choices[0].text == _reference_text(reference, {"prompt_token_ids": ids}, 6)
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def test_streamed_completion_equals_the_whole(client) -> None:
+    whole = client.completions.create(model=MODEL, prompt="Stream me", max_tokens=10, **GREEDY)
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Stream me",
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_equals_the_rendered_prompt(client, reference) -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi there"},
+    ]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=9, **GREEDY
+    )
+    rendered = reference.get_tokenizer().apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert rendered.endswith("<|assistant|>")
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == _reference_text(reference, rendered, 9)
+
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=9, stream=True, **GREEDY
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_concurrent_streams_all_finish(client) -> None:
+    results: dict[int, tuple[str, str | None]] = {}
+
+    def one(i: int) -> None:
+        text, reason = "", None
+        for c in client.completions.create(
+            model=MODEL, prompt=f"prompt {i} " * (1 + i % 3), max_tokens=16, stream=True, seed=i
+        ):
+            text += c.choices[0].text
+            reason = c.choices[0].finish_reason or reason
+        results[i] = (text, reason)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == list(range(16))
+    assert all(reason == "length" for _, reason in results.values())
+
+
+def test_disconnect_mid_stream_frees_the_blocks(server) -> None:
+    engine = server.engine_loop.engine
+    blocks = engine.scheduler.block_manager
+    body = {"model": MODEL, "prompt": "go on", "max_tokens": 400, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream(
+        "POST",
+        server.base_url + "/v1/completions",
+        json={**body, "stream": True},
+        headers=headers,
+        timeout=30,
+    ) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert blocks.num_free_blocks < blocks.num_blocks  # it runs
+    deadline = time.monotonic() + 10
+    while blocks.num_free_blocks < blocks.num_blocks or server.engine_loop.num_requests:
+        assert time.monotonic() < deadline, "the request outlived its client"
+        time.sleep(0.05)
+    assert not engine.has_unfinished_requests()
+
+
+# --- refusals --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "body, word",
+    [
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": ""}, "empty"),
+        ({"prompt": ["a", "b"]}, "one prompt"),
+        ({"prompt": "x", "max_tokens": "7"}, "max_tokens"),
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "stream": "yes"}, "stream"),
+        ({"prompt": "x", "n": 2}, "'n'"),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x" * 600}, "max_model_len"),  # past max_position_embeddings
+        (b"{not json", "JSON"),
+    ],
+)
+def test_bad_request_is_a_400_naming_it(server, body, word: str) -> None:
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert word in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_bad_requests_through_the_client(client) -> None:
+    with pytest.raises(openai.BadRequestError, match="'n'"):
+        client.completions.create(model=MODEL, prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(openai.NotFoundError, match="nope"):
+        client.completions.create(model="nope", prompt="x")
+    # ... and the server goes on serving
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text
+
+
+def test_api_key_is_required_on_v1_routes(server) -> None:
+    bad = openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert _post(server, "/v1/completions", {"prompt": "x"}, key=None).status_code == 401
+    assert httpx.get(server.base_url + "/health").status_code == 200  # open
+
+
+def test_models_and_metrics(client, server) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=3)
+    text = httpx.get(server.base_url + "/metrics").text
+    assert 'sarathi_pp_requests_total{finish_reason="length"}' in text
+    for name in (
+        "sarathi_pp_time_to_first_token_seconds_count",
+        "sarathi_pp_time_between_tokens_seconds_count",
+        "sarathi_pp_e2e_request_latency_seconds_count",
+        "sarathi_pp_num_requests_running",
+        "sarathi_pp_num_requests_waiting",
+        "sarathi_pp_kv_blocks_used",
+        "sarathi_pp_preemptions_total",
+    ):
+        assert name in text
+
+
+# --- a second server: no chat template, one request waiting at most ------------------------
+def test_full_queue_429_no_template_400_dead_engine_503(llama_dir: Path) -> None:
+    overrides = {"scheduler.max_waiting": 1}
+    with running_server(llama_dir, **overrides) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+        engine = server.engine_loop.engine
+        with pytest.raises(openai.BadRequestError, match="chat template"):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+
+        # The engine thread held between steps: both adds run in one batch, so the first
+        # still waits (no step in between) when the second comes.
+        release = threading.Event()
+        server.engine_loop.call(lambda engine: release.wait(30))
+        answers: dict[str, int] = {}
+
+        def post(prompt: str) -> None:
+            r = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+            answers[prompt] = r.status_code
+            if r.status_code == 429:
+                assert "max_waiting" in r.json()["error"]["message"]
+
+        first = threading.Thread(target=post, args=("first",))
+        first.start()
+        while server.engine_loop._commands.qsize() < 1:
+            time.sleep(0.01)
+        second = threading.Thread(target=post, args=("second",))
+        second.start()
+        while server.engine_loop._commands.qsize() < 2:
+            time.sleep(0.01)
+        release.set()
+        first.join(30)
+        second.join(30)
+        assert answers == {"first": 200, "second": 429}
+
+        assert httpx.get(server.base_url + "/health").status_code == 200
+        engine.dead_reason = "a test killed it"
+        r = httpx.get(server.base_url + "/health")
+        assert r.status_code == 503 and "a test killed it" in r.json()["error"]["message"]
+        assert _post(server, "/v1/completions", {"prompt": "x"}).status_code == 503
