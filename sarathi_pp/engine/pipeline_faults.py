@@ -44,7 +44,11 @@ class PipelineFaults:
     _inflight: deque[MicroBatch]
     dead_reason: str | None = None  # set when the pipeline is lost for good
     _restarts = 0  # lost stages replaced so far
-    # LLMEngine provides now() and shutdown().
+
+    if TYPE_CHECKING:  # LLMEngine's
+
+        def now(self) -> float: ...
+        def shutdown(self) -> None: ...
 
     def is_alive(self) -> bool:
         """False once the pipeline is lost for good (``dead_reason`` says why)."""

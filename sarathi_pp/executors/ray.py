@@ -20,7 +20,7 @@ from collections import deque
 
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import EngineConfig
-from sarathi_pp.executors.base import StageError
+from sarathi_pp.executors.base import StageError, StageLost
 from sarathi_pp.microbatch import MicroBatch, StepResult
 from sarathi_pp.placement import (
     Placement,
@@ -34,6 +34,8 @@ from sarathi_pp.stages.device import probe_resources
 from sarathi_pp.stages.worker import StageSpec
 
 logger = logging.getLogger(__name__)
+
+SETUP_TIMEOUT_S = 120.0
 
 
 def _ray():
@@ -81,10 +83,15 @@ class RayExecutor:
         partition_layers(checkpoint.spec, self.num_stages)  # ValueError before Ray starts
         self._started_ray = _start_ray(ray)
         self.timeout_s = p.stage_timeout_s
+        # Starting actors and loading weights may take longer than a micro-batch on a busy
+        # node: set-up waits at least SETUP_TIMEOUT_S whatever stage_timeout_s says.
+        self.setup_timeout_s = max(self.timeout_s, SETUP_TIMEOUT_S)
         self._inflight: deque[tuple[MicroBatch, list]] = deque()
         self.actors: list = []
         self.clock_offsets: list[float] = []
         self._pg = None
+        self._config, self._checkpoint = config, checkpoint  # to rebuild lost stages
+        self._kv_shape = (0, 0)
         try:
             resources = _cluster_resources(
                 ray, config.model.device, self.num_stages, self.timeout_s
@@ -113,11 +120,11 @@ class RayExecutor:
         cpus = max(0.01, min(1.0, free_cpus / n))
         bundle = {"CPU": cpus, "GPU": 1} if device == "cuda" else {"CPU": cpus}
         self._pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
-        ready, _ = ray.wait([self._pg.ready()], timeout=self.timeout_s)
+        ready, _ = ray.wait([self._pg.ready()], timeout=self.setup_timeout_s)
         if not ready:
             raise RuntimeError(
                 f"Ray could not place {n} stage actors ({bundle} each) within "
-                f"{self.timeout_s:g} s; free in the cluster: {ray.available_resources()}"
+                f"{self.setup_timeout_s:g} s; free in the cluster: {ray.available_resources()}"
             )
         actor_cls = ray.remote(PipelineStage)
         for i in range(n):
@@ -161,7 +168,8 @@ class RayExecutor:
         return 0.0 if abs(offset) <= rtt else offset
 
     def _get(self, refs: list, what: str) -> list:
-        """``ray.get`` with the stage timeout; a dead or failed actor names its stage."""
+        """``ray.get`` of set-up calls, with ``setup_timeout_s`` (micro-batches are waited for
+        in ``_wait_stages``); a dead or failed actor names its stage."""
         ray = self._ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
@@ -169,13 +177,13 @@ class RayExecutor:
         for i, ref in enumerate(refs):
             stage_idx = i if len(refs) == self.num_stages else 0
             try:
-                out.append(ray.get(ref, timeout=self.timeout_s))
+                out.append(ray.get(ref, timeout=self.setup_timeout_s))
             except GetTimeoutError:
                 raise StageError(
-                    stage_idx, f"{what}: no answer within {self.timeout_s:g} s"
+                    stage_idx, f"{what}: no answer within {self.setup_timeout_s:g} s"
                 ) from None
             except RayActorError as e:
-                raise StageError(
+                raise StageLost(
                     stage_idx, f"{what}: the stage actor died ({e.__class__.__name__})"
                 ) from e
             except RayTaskError as e:
@@ -188,16 +196,69 @@ class RayExecutor:
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._get([a.init_kv_cache.remote(num_blocks, block_size) for a in self.actors], "KV cache")
+        self._kv_shape = (num_blocks, block_size)
 
     def submit(self, microbatch: MicroBatch) -> None:
-        self._inflight.append((microbatch, [a.run.remote(microbatch) for a in self.actors]))
+        self._inflight.append((microbatch, self._run(microbatch)))
+
+    def _run(self, microbatch: MicroBatch) -> list:
+        """Every stage's ``run`` of ``microbatch`` (none for an empty one)."""
+        return [a.run.remote(microbatch) for a in self.actors] if microbatch.chunks else []
 
     def wait_oldest(self) -> tuple[MicroBatch, StepResult]:
         microbatch, refs = self._inflight.popleft()
-        outputs = self._wait_stages(microbatch, refs)  # [(result or None, StageEvent)] per stage
-        result = outputs[-1][0]
-        result.events = [e.shifted(off) for (_, e), off in zip(outputs, self.clock_offsets)]
+        result = self._collect(microbatch, refs)
+        if result.failure is not None:
+            result = self._isolate(microbatch, result)
         return microbatch, result
+
+    def _collect(self, microbatch: MicroBatch, refs: list) -> StepResult:
+        """The last stage's result with every stage's timing; ``failure`` when a stage
+        raised on the micro-batch."""
+        if not refs:
+            return StepResult()
+        outputs = self._wait_stages(microbatch, refs)  # [(StepResult | None, StageEvent)]
+        failures = [r.failure for r, _ in outputs if r is not None and r.failure]
+        result = StepResult(failure="; ".join(failures)) if failures else outputs[-1][0]
+        result.events = [e.shifted(off) for (_, e), off in zip(outputs, self.clock_offsets)]
+        return result
+
+    def _isolate(self, microbatch: MicroBatch, failed: StepResult) -> StepResult:
+        """A stage raised on ``microbatch``: retry its sequences one at a time through the
+        pipeline, so only a request that fails alone fails (``errors``). The micro-batches
+        behind it may have read K/V it left unwritten: they are drained, their results
+        dropped, and issued again after the retry without the failed sequences (their
+        original micro-batch is what the engine gets back, so its bookkeeping holds)."""
+        logger.warning("micro-batch %d failed (%s): retrying its sequences one at a time",
+                       microbatch.microbatch_id, failed.failure)  # fmt: skip
+        behind = list(self._inflight)
+        self._inflight.clear()
+        for mb, refs in behind:
+            self._collect(mb, refs)  # drained; whatever it computed is recomputed below
+        result = StepResult(events=failed.events)  # the retries' timings are left out
+        for chunk in microbatch.chunks:
+            solo = MicroBatch(microbatch.microbatch_id, (chunk,))
+            r = self._collect(solo, self._run(solo))
+            if r.failure is not None:
+                result.errors[chunk.seq_id] = r.failure
+            else:
+                result.sampled.update(r.sampled)
+                result.errors.update(r.errors)
+        for mb, _ in behind:
+            kept = tuple(c for c in mb.chunks if c.seq_id not in result.errors)
+            self._inflight.append((mb, self._run(MicroBatch(mb.microbatch_id, kept))))
+        return result
+
+    def restart(self) -> None:
+        """Replace every stage actor (one was lost): new actors and process group, weights
+        reloaded, KV caches of the same shape re-created. What was in flight is gone; the
+        engine recomputes its sequences."""
+        assert self._config is not None and self._checkpoint is not None
+        self._kill_actors()
+        self._inflight.clear()
+        self._create_actors(self._config, self._checkpoint, self.placement)
+        self.load_model()
+        self.init_kv_cache(*self._kv_shape)
 
     def _wait_stages(self, microbatch: MicroBatch, refs: list) -> list:
         """All stages' results for ``microbatch``. A stage that fails or dies is reported as soon
@@ -226,7 +287,7 @@ class RayExecutor:
         try:
             return self._ray.get(ref)
         except RayActorError as e:
-            raise StageError(
+            raise StageLost(
                 stage_idx, f"micro-batch {microbatch.microbatch_id}: the stage actor died"
             ) from e
         except RayTaskError as e:
@@ -241,19 +302,23 @@ class RayExecutor:
         results are dropped with their references."""
         self._inflight.clear()
 
-    def shutdown(self) -> None:
+    def _kill_actors(self) -> None:
         ray = self._ray
         for a in self.actors:
             with contextlib.suppress(Exception):  # already dead
                 ray.kill(a)
         self.actors = []
-        self._inflight.clear()
         if self._pg is not None:
             from ray.util.placement_group import remove_placement_group
 
             with contextlib.suppress(Exception):
                 remove_placement_group(self._pg)
             self._pg = None
+
+    def shutdown(self) -> None:
+        ray = self._ray
+        self._kill_actors()
+        self._inflight.clear()
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
             self._started_ray = False

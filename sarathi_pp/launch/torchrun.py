@@ -14,7 +14,13 @@ import sys
 import torch.distributed as dist
 
 from sarathi_pp.cli import build_parser
-from sarathi_pp.cli.common import PROG, UsageError, config_from_args, user_errors
+from sarathi_pp.cli.common import (
+    PROG,
+    UsageError,
+    config_from_args,
+    sigterm_as_interrupt,
+    user_errors,
+)
 from sarathi_pp.executors.torchrun import check_world_size, resolve_stage, serve_stage
 
 
@@ -22,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     """Same flags as ``sarathi-pp generate``; rank 0 prints and writes the outputs."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(["generate", *argv, "--set", "parallel.executor=torchrun"])
+    # torchrun stops every rank with SIGTERM when one fails: rank 0 then keeps what finished
+    sigterm_as_interrupt()
     try:
         with user_errors():
             config = config_from_args(args)

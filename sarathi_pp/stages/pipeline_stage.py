@@ -10,6 +10,7 @@ sampled tokens. Activations never pass through the control plane.
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import time
 
@@ -29,7 +30,10 @@ from sarathi_pp.events import StageEvent
 from sarathi_pp.microbatch import MicroBatch, StepResult
 from sarathi_pp.planner.memory import StageMemory
 from sarathi_pp.stages.device import set_num_threads
+from sarathi_pp.stages.fault_injector import FaultInjector
 from sarathi_pp.stages.worker import StageSpec, StageWorker, to_step_result
+
+logger = logging.getLogger(__name__)
 
 
 class PipelineStage:
@@ -40,6 +44,7 @@ class PipelineStage:
             torch.cuda.set_device(torch.device(stage.device))
         self.stage = stage
         self.spec = checkpoint.spec
+        self.faults = FaultInjector(parallel.inject_fault, stage.stage_idx)
         self.worker = StageWorker(checkpoint.spec, checkpoint.path, stage, checkpoint.max_model_len)
         self.timeout_s = parallel.stage_timeout_s
         # A stage may run this many micro-batches ahead of the next one (Note in comm/p2p).
@@ -96,7 +101,12 @@ class PipelineStage:
     # --- one micro-batch -----------------------------------------------------------------------
     def run(self, microbatch: MicroBatch) -> tuple[StepResult | None, StageEvent]:
         """Run one micro-batch; returns the sampled tokens (last stage, else ``None``) and
-        this stage's timing of it (a few clock reads: no per-token work)."""
+        this stage's timing of it (a few clock reads: no per-token work).
+
+        A micro-batch that raises here does not stop the pipeline: the stage sends zeros of
+        the right shape on (the stages after it stay in step; what they compute for it is
+        dropped) and returns ``StepResult(failure=...)``; the executor then retries its
+        sequences one at a time (see ``RayExecutor``)."""
         assert self.transport is not None, "init_group/attach_transport first"
         s = self.stage
         wait_start = self._free_since
@@ -110,12 +120,26 @@ class PipelineStage:
                 self.worker.dtype,
             )
         compute_start = time.monotonic()
-        out = self.worker.execute(microbatch, hidden)
+        failure = None
+        try:
+            self.faults.before(microbatch)
+            out = self.worker.execute(microbatch, hidden)
+        except Exception as e:  # noqa: BLE001 - isolated by the executor's retry
+            logger.exception(
+                "stage %d: micro-batch %d failed", s.stage_idx, microbatch.microbatch_id
+            )
+            failure = f"stage {s.stage_idx}: {type(e).__name__}: {e}"
+            out = None
         compute_end = time.monotonic()
-        result = None
+        result = StepResult(failure=failure) if failure is not None else None
         if s.is_last:
-            result = to_step_result(out)
+            result = result or to_step_result(out)
         else:
+            if out is None:  # keep the next stage in step: zeros of the expected shape
+                out = torch.zeros(
+                    microbatch.num_tokens, self.spec.hidden_size,
+                    dtype=self.worker.dtype, device=self.worker.device,
+                )  # fmt: skip
             self.transport.send(microbatch.microbatch_id, out)
         self._free_since = time.monotonic()
         input_ready = (

@@ -49,7 +49,9 @@ def pp2(ray_cluster, llama_dir):
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 @pytest.mark.parametrize("chunk_size, tile_align", [(7, False), (16, True), (1000, False)])
 def test_pp2_matches_hf_and_pp1(pp2, llama_dir, scheduler, chunk_size, tile_align):
-    pp2.engine.set_scheduler(policy=scheduler, chunk_size=chunk_size, tile_align=tile_align, tile_size=8)
+    pp2.engine.set_scheduler(
+        policy=scheduler, chunk_size=chunk_size, tile_align=tile_align, tile_size=8
+    )
     prompts = make_prompts()
     outs = pp2.generate(prompts, GREEDY, use_tqdm=False)
     check_against_hf(llama_dir, outs, prompts)
@@ -69,8 +71,9 @@ def test_pp2_equals_pp1_exactly(pp2, llama_dir):
 
 def test_pp2_preemption(ray_cluster, llama_dir):
     prompts = make_prompts(lens=(40, 41, 42, 43), seed=3)
-    with LLM(str(llama_dir), pipeline_parallel_size=2, max_model_len=176, block_size=4,
-             num_kv_blocks=44) as llm:
+    with LLM(
+        str(llama_dir), pipeline_parallel_size=2, max_model_len=176, block_size=4, num_kv_blocks=44
+    ) as llm:
         for scheduler in SCHEDULERS:
             llm.engine.set_scheduler(policy=scheduler, chunk_size=24)
             outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -96,7 +99,8 @@ def test_more_stages_than_layers_is_refused_before_start(llama_dir):
 
 
 def test_killed_stage_is_a_clear_error(ray_cluster, llama_dir):
-    llm = LLM(str(llama_dir), pipeline_parallel_size=2, max_model_len=256, stage_timeout_s=30)
+    llm = LLM(str(llama_dir), pipeline_parallel_size=2, max_model_len=256, stage_timeout_s=30,
+              max_stage_restarts=0)  # fmt: skip  # with a restart left it is replaced: test_faults
     ray_cluster.kill(llm.engine.executor.actors[1])
     start = time.monotonic()
     with pytest.raises(StageError, match="pipeline stage 1"):
@@ -109,26 +113,57 @@ def test_torchrun_matches_pp1(llama_dir, tmp_path):
     prompts = ["Hello", "The pipeline has two stages", "x"]
     out = tmp_path / "out.jsonl"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "sarathi_pp.launch.torchrun", "--model", str(llama_dir),
-        "--pipeline-parallel-size", "2", "--max-tokens", "8", "--ignore-eos",
-        "--output", str(out), "--set", "model.max_model_len=256", "--set", "parallel.stage_timeout_s=60",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "sarathi_pp.launch.torchrun",
+        "--model",
+        str(llama_dir),
+        "--pipeline-parallel-size",
+        "2",
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "--output",
+        str(out),
+        "--set",
+        "model.max_model_len=256",
+        "--set",
+        "parallel.stage_timeout_s=60",
     ]
     for p in prompts:
         cmd += ["--prompt", p]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in out.read_text().splitlines()]
     with LLM(str(llama_dir), max_model_len=256) as pp1:
-        ref = pp1.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+        ref = pp1.generate(
+            prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False
+        )
     assert [r["prompt"] for r in records] == prompts
     assert [r["token_ids"] for r in records] == [o.outputs[0].token_ids for o in ref]
 
 
 def test_torchrun_world_size_must_match(llama_dir):
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "sarathi_pp.launch.torchrun", "--model", str(llama_dir), "--prompt", "hi",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "sarathi_pp.launch.torchrun",
+        "--model",
+        str(llama_dir),
+        "--prompt",
+        "hi",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
@@ -140,10 +175,23 @@ def test_pp2_run_dir_records_every_microbatch_on_every_stage(ray_cluster, llama_
 
     run = tmp_path / "run"
     prompts = make_prompts(lens=(30, 90, 60, 120, 10, 75), seed=6)
-    with LLM(str(llama_dir), pipeline_parallel_size=2, max_model_len=256, chunk_size=32,
-             tile_size=16, run_dir=str(run)) as llm:
+    with LLM(
+        str(llama_dir),
+        pipeline_parallel_size=2,
+        max_model_len=256,
+        chunk_size=32,
+        tile_size=16,
+        run_dir=str(run),
+    ) as llm:
         llm.generate(prompts, GREEDY, use_tqdm=False)
-    for name in ("config.yaml", "events.jsonl", "requests.csv", "summary.json", "trace.json", "timeline.png"):
+    for name in (
+        "config.yaml",
+        "events.jsonl",
+        "requests.csv",
+        "summary.json",
+        "trace.json",
+        "timeline.png",
+    ):
         assert (run / name).is_file() and (run / name).stat().st_size > 0, name
     records = read_events(run / "events.jsonl")
     issued = sorted(r["mb"] for r in records if r["type"] == "issue")

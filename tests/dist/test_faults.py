@@ -1,0 +1,129 @@
+"""Faults at PP=2 over Ray (real actors, gloo): a request that makes a stage raise fails
+alone; a killed stage actor is replaced and the outputs equal an undisturbed run; a stage
+that stalls past the timeout is a clear error that releases every actor; Ctrl-C mid-run
+leaves the engine usable with clean outputs."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from sarathi_pp import LLM, SamplingParams
+from sarathi_pp.engine import EngineDeadError
+from sarathi_pp.events import read_events
+from sarathi_pp.executors import StageError
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PROMPTS = [[7 + i, 40, 3 * i + 1, 99, 5] * (2 + i) for i in range(6)]
+BASE = dict(pipeline_parallel_size=2, max_model_len=256, chunk_size=32, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    with LLM(str(llama_dir), max_model_len=256, dtype="float32") as pp1:
+        outs = pp1.generate(PROMPTS, GREEDY, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert len({tuple(t) for t in tokens}) > 1
+    return tokens
+
+
+def free_blocks(llm: LLM) -> bool:
+    bm = llm.engine.scheduler.block_manager
+    return bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_poisoned_request_fails_alone(ray_cluster, llama_dir, reference):
+    # sequence 2 (the third prompt) makes stage 1 raise whenever it is in a micro-batch
+    with LLM(str(llama_dir), **BASE, **{"parallel.inject_fault": "raise@stage=1,seq=2"}) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert outs[2].outputs[0].finish_reason == "error"
+        assert "injected fault on stage 1" in outs[2].error
+        for i, out in enumerate(outs):
+            if i != 2:
+                assert out.error is None and out.outputs[0].token_ids == reference[i], i
+        assert free_blocks(llm) and llm.engine.is_alive()
+
+
+def test_a_killed_stage_is_replaced_and_outputs_equal(ray_cluster, llama_dir, reference, tmp_path):
+    run = tmp_path / "run"
+    with LLM(str(llama_dir), **BASE, run_dir=str(run)) as llm:
+        old = list(llm.engine.executor.actors)
+        timer = threading.Timer(0.5, ray_cluster.kill, [old[1]])
+        timer.start()
+        try:
+            outs = llm.generate(PROMPTS * 3, GREEDY, use_tqdm=False)  # a few seconds
+        finally:
+            timer.cancel()
+        assert [o.outputs[0].token_ids for o in outs] == reference * 3
+        new = llm.engine.executor.actors
+        assert len(new) == 2 and not set(map(id, new)) & set(map(id, old))
+        assert free_blocks(llm) and llm.engine.is_alive()
+    idles = [r for r in read_events(run / "events.jsonl") if r["type"] == "idle"]
+    assert any(r["reason"] == "recovery" for r in idles)
+
+
+def test_no_restart_left_is_a_clear_error_then_a_dead_engine(ray_cluster, llama_dir):
+    llm = LLM(str(llama_dir), **BASE, max_stage_restarts=0, stage_timeout_s=30)
+    ray_cluster.kill(llm.engine.executor.actors[1])
+    start = time.monotonic()
+    with pytest.raises(StageError, match="pipeline stage 1"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 30
+    assert llm.engine.executor.actors == [] and not llm.engine.is_alive()
+    with pytest.raises(EngineDeadError, match="engine is dead: pipeline stage 1"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+def test_a_stalled_stage_times_out_keeping_finished_outputs(ray_cluster, llama_dir, reference):
+    fault = "stall@stage=1,step=12,seconds=60"  # well after the short requests finished
+    llm = LLM(str(llama_dir), **BASE, stage_timeout_s=4, **{"parallel.inject_fault": fault})
+    finished: dict[int, list[int]] = {}
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    start = time.monotonic()
+    with pytest.raises(StageError, match="no result within 4 s"):
+        llm.generate(PROMPTS[:2] + PROMPTS, [short] * 2 + [GREEDY] * len(PROMPTS),
+                     use_tqdm=False, on_finished=lambda i, o: finished.update({i: o}))  # fmt: skip
+    assert time.monotonic() - start < 4 + 10 + 10  # the timeout, plus the run before it
+    assert {0, 1} <= set(finished)  # what finished before the stall is kept
+    assert llm.engine.executor.actors == [] and not llm.engine.is_alive()
+
+
+def test_ctrl_c_mid_run_then_clean_outputs(ray_cluster, llama_dir, reference):
+    with LLM(str(llama_dir), **BASE) as llm:
+        timer = threading.Timer(1.0, signal.raise_signal, [signal.SIGINT])
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(PROMPTS * 8, GREEDY, use_tqdm=False)
+        finally:
+            timer.cancel()
+        assert free_blocks(llm) and not llm.engine.has_unfinished_requests()
+        start = time.monotonic()
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 10
+        assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+def test_torchrun_dead_rank_ends_the_run_promptly_naming_it(llama_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "sarathi_pp.launch.torchrun", "--model", str(llama_dir),
+           "--pipeline-parallel-size", "2", "--max-tokens", "30", "--ignore-eos",
+           "--prompt", "hello", "--prompt", "world", "--output", str(out),
+           "--set", "model.max_model_len=256", "--set", "parallel.inject_fault=exit@stage=1,step=3"]  # fmt: skip
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 90  # not the 300 s stage timeout
+    assert "rank      : 1" in proc.stderr and "exitcode  : 70" in proc.stderr  # torchrun names it
+    # rank 0 sees the closed connection first, or torchrun's SIGTERM: either way it says so
+    assert ("sarathi-pp: error: pipeline stage 1" in proc.stderr
+            or "sarathi-pp: stopped by SIGTERM" in proc.stderr), proc.stderr[-3000:]  # fmt: skip
