@@ -187,7 +187,7 @@ def _load_model(hf: _HF, path: Path, dtype: str, device: str, attn: str) -> Any:
     import torch
 
     model = hf.auto_model.from_pretrained(
-        str(path), dtype=getattr(torch, dtype), attn_implementation=attn
+        str(path), dtype=getattr(torch, dtype), attn_implementation=attn, trust_remote_code=False
     )
     return model.to(device).eval()
 
