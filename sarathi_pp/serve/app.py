@@ -27,6 +27,9 @@ from sarathi_pp.serve import protocol as p
 from sarathi_pp.serve.engine_loop import EngineFailure, EngineLoop, Sink
 from sarathi_pp.serve.protocol import ApiError, GenerateRequest
 
+# Seconds between checks that the client of a non-streamed request is still there.
+DISCONNECT_POLL_S = 0.5
+
 
 def create_app(
     engine_loop: EngineLoop, served_model_name: str, api_key: str | None = None
@@ -105,7 +108,7 @@ class _Routes:
                 request_id, req.prompt, req.params, prompt_token_ids=req.prompt_token_ids
             )
 
-        return await self._generate(req, request_id, add, chat=False)
+        return await self._generate(request, req, request_id, add, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         req = p.chat_request(await _json_body(request))
@@ -116,10 +119,15 @@ class _Routes:
             prompt, token_ids = render_chat(engine.tokenizer, messages)
             engine.add_request(request_id, prompt, req.params, prompt_token_ids=token_ids)
 
-        return await self._generate(req, request_id, add, chat=True)
+        return await self._generate(request, req, request_id, add, chat=True)
 
     async def _generate(
-        self, req: GenerateRequest, request_id: str, add: Callable[[Any], None], chat: bool
+        self,
+        http_request: Request,
+        req: GenerateRequest,
+        request_id: str,
+        add: Callable[[Any], None],
+        chat: bool,
     ) -> Response:
         if req.model is not None and req.model != self.model:
             raise ApiError(
@@ -142,17 +150,21 @@ class _Routes:
         if req.stream:
             events = self._stream(req, request_id, sink, chat)
             return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(await self._complete(req, request_id, sink, chat))
+        try:
+            return JSONResponse(await self._complete(http_request, request_id, sink, chat))
+        except _ClientGone:  # aborted; nobody reads this
+            return Response(status_code=499)
 
     async def _complete(
-        self, req: GenerateRequest, request_id: str, sink: Sink, chat: bool
+        self, request: Request, request_id: str, sink: Sink, chat: bool
     ) -> dict[str, Any]:
         out = None
+        reader = _Reader(sink, request)
         try:
             while out is None or not out.finished:
-                out = _checked(await sink.queue.get())
+                out = _checked(await reader.next())
         finally:
-            if out is None or not out.finished:  # cancelled: the client is gone
+            if out is None or not out.finished:  # the client is gone (or we were cancelled)
                 self.engine_loop.abort(request_id)
         completion = out.outputs[0]
         use = p.usage(len(out.prompt_token_ids), len(completion.token_ids))
@@ -169,6 +181,7 @@ class _Routes:
             if chat:
                 yield _sse(p.chat_chunk(request_id, self.model, {"role": "assistant"}, None))
             num_sent = 0  # characters of the text streamed so far
+            stops = req.params.stop
             out = None
             while not finished:
                 try:
@@ -179,7 +192,8 @@ class _Routes:
                     break
                 finished = out.finished
                 completion = out.outputs[0]
-                delta, num_sent = completion.text[num_sent:], len(completion.text)
+                end = len(completion.text) if finished else _safe_end(completion.text, stops)
+                delta, num_sent = completion.text[num_sent:end], max(num_sent, end)
                 if delta or finished:
                     yield _sse(self._chunk(request_id, delta, completion.finish_reason, chat))
             if req.include_usage and out is not None and out.finished:
@@ -199,6 +213,36 @@ class _Routes:
         return p.completion_chunk(request_id, self.model, text, finish_reason)
 
 
+class _ClientGone(Exception):
+    """The client of a non-streamed request disconnected: nobody reads the answer."""
+
+
+class _Reader:
+    """A non-streamed request's outputs, one at a time; ``_ClientGone`` once its client has
+    disconnected (checked every ``DISCONNECT_POLL_S``: a long answer nobody reads would hold
+    its blocks)."""
+
+    def __init__(self, sink: Sink, request: Request) -> None:
+        self.sink = sink
+        self.request = request
+        self.next_check = time.monotonic() + DISCONNECT_POLL_S
+
+    async def next(self) -> Any:
+        get = asyncio.ensure_future(self.sink.queue.get())
+        try:
+            while True:
+                timeout = max(0.0, self.next_check - time.monotonic())
+                done, _ = await asyncio.wait({get}, timeout=timeout)
+                if time.monotonic() >= self.next_check:
+                    self.next_check = time.monotonic() + DISCONNECT_POLL_S
+                    if await self.request.is_disconnected():
+                        raise _ClientGone
+                if done:
+                    return get.result()
+        finally:
+            get.cancel()
+
+
 def _checked(item: Any) -> Any:
     """A ``RequestOutput`` from a sink, or the ``ApiError`` its failure means."""
     if isinstance(item, EngineFailure):
@@ -208,6 +252,16 @@ def _checked(item: Any) -> Any:
         message = completion.error or item.error or "the request failed"
         raise ApiError(500, message, "server_error")
     return item
+
+
+def _safe_end(text: str, stops: tuple[str, ...]) -> int:
+    """How much of an unfinished ``text`` may be streamed: all but a tail that could be the
+    start of a stop string (the engine cuts a stop string out of the text once it is
+    whole, so a streamed part of it could not be taken back)."""
+    for k in range(min(len(text), max((len(s) for s in stops), default=1) - 1), 0, -1):
+        if any(s.startswith(text[-k:]) for s in stops):
+            return len(text) - k
+    return len(text)
 
 
 def _sse(data: dict[str, Any]) -> str:

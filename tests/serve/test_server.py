@@ -94,10 +94,12 @@ def _reference_text(llm: LLM, prompt: Any, max_tokens: int) -> str:
     return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
 
 
-def _post(server, path: str, body: Any, key: str | None = API_KEY) -> httpx.Response:
+def _post(
+    server, path: str, body: Any, key: str | None = API_KEY, timeout: float = 30
+) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(server.base_url + path, content=content, headers=headers, timeout=30)
+    return httpx.post(server.base_url + path, content=content, headers=headers, timeout=timeout)
 
 
 # --- answers ---------------------------------------------------------------------------------
@@ -131,6 +133,20 @@ def test_streamed_completion_equals_the_whole(client) -> None:
     assert text == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_streamed_text_never_holds_part_of_a_stop_string(client) -> None:
+    plain = client.completions.create(model=MODEL, prompt="abc", max_tokens=12, **GREEDY)
+    text = plain.choices[0].text
+    # Two ASCII characters: two tokens (byte tokenizer), so two steps of the stream.
+    i = next(i for i in range(len(text) - 1) if text[i : i + 2].isascii())
+    stop = text[i : i + 2]
+    kwargs = {"model": MODEL, "prompt": "abc", "max_tokens": 12, "stop": [stop], **GREEDY}
+    whole = client.completions.create(**kwargs)
+    assert whole.choices[0].finish_reason == "stop" and stop not in whole.choices[0].text
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_chat_equals_the_rendered_prompt(client, reference) -> None:
@@ -200,6 +216,24 @@ def test_disconnect_mid_stream_frees_the_blocks(server) -> None:
         assert time.monotonic() < deadline, "the request outlived its client"
         time.sleep(0.05)
     assert not engine.has_unfinished_requests()
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_aborts_it(server) -> None:
+    blocks = server.engine_loop.engine.scheduler.block_manager
+    registry = server.engine_loop.metrics.registry
+
+    def num_aborted() -> float:
+        labels = {"finish_reason": "abort"}
+        return registry.get_sample_value("sarathi_pp_requests_total", labels) or 0.0
+
+    before = num_aborted()
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        _post(server, "/v1/completions", body, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while num_aborted() == before or blocks.num_free_blocks < blocks.num_blocks:
+        assert time.monotonic() < deadline, "the request outlived its client"
+        time.sleep(0.05)
 
 
 # --- refusals --------------------------------------------------------------------------------
