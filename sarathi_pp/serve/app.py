@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sarathi_pp.engine import EngineDeadError
 from sarathi_pp.scheduler.base import QueueFullError
@@ -49,6 +50,12 @@ def create_app(
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # an unknown route (404) or method (405): OpenAI's shape too
+        body = p.error_body(str(exc.detail), "invalid_request_error")
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     async def check_api_key(request: Request) -> None:
         if api_key is None:

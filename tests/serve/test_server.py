@@ -276,6 +276,8 @@ def test_api_key_is_required_on_v1_routes(server) -> None:
         bad.models.list()
     assert _post(server, "/v1/completions", {"prompt": "x"}, key=None).status_code == 401
     assert httpx.get(server.base_url + "/health").status_code == 200  # open
+    r = httpx.get(server.base_url + "/v1/nowhere")
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
 
 
 def test_models_and_metrics(client, server) -> None:

@@ -1,0 +1,103 @@
+"""The request checks and the stream's stop-string hold-back, without a model."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from sarathi_pp.serve.app import _safe_end  # noqa: E402
+from sarathi_pp.serve.protocol import ApiError, chat_request, completion_request  # noqa: E402
+
+
+def test_prompt_forms() -> None:
+    assert completion_request({"prompt": "hi"}).prompt == "hi"
+    assert completion_request({"prompt": ["hi"]}).prompt == "hi"
+    assert completion_request({"prompt": [1, 2]}).prompt_token_ids == [1, 2]
+    assert completion_request({"prompt": [[1, 2]]}).prompt_token_ids == [1, 2]
+    for bad in (None, "", [], [True, 2], [1.5], {"a": 1}, ["a", "b"], [[1], [2]]):
+        with pytest.raises(ApiError) as e:
+            completion_request({"prompt": bad})
+        assert e.value.status == 400 and e.value.param == "prompt"
+
+
+def test_sampling_fields_and_defaults() -> None:
+    r = completion_request({"prompt": "x"})
+    assert (r.params.max_tokens, r.params.temperature, r.stream, r.include_usage) == (
+        16,
+        1.0,
+        False,
+        False,
+    )
+    r = completion_request(
+        {
+            "prompt": "x",
+            "max_tokens": 3,
+            "temperature": 0,
+            "top_p": 0.5,
+            "top_k": -1,
+            "seed": 7,
+            "stop": "\n",
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "n": 1,
+            "presence_penalty": 0,
+            "logprobs": None,
+            "user": "anyone",  # unknown fields are ignored
+        }
+    )
+    p = r.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (3, 0.0, 0.5, 0, 7)
+    assert (p.stop, p.ignore_eos, r.stream, r.include_usage) == (("\n",), True, True, True)
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert (
+        chat_request({**chat, "max_completion_tokens": 4, "max_tokens": 9}).params.max_tokens == 4
+    )
+    assert chat_request({**chat, "response_format": {"type": "text"}}).messages == [
+        {"role": "user", "content": "x"}
+    ]
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"max_tokens": 0},
+        {"max_tokens": 2.5},
+        {"temperature": "hot"},
+        {"top_p": 0},
+        {"seed": True},
+        {"stop": [""]},
+        {"stream": 1},
+        {"n": 3},
+        {"best_of": 2},
+        {"frequency_penalty": 1},
+        {"logprobs": 2},
+        {"echo": True},
+        {"logit_bias": {"1": 5}},
+        {"tools": [{"type": "function"}]},
+        {"response_format": {"type": "json_object"}},
+    ],
+)
+def test_a_bad_or_unsupported_field_is_a_400(field: dict) -> None:
+    with pytest.raises(ApiError) as e:
+        completion_request({"prompt": "x", **field})
+    assert e.value.status == 400
+
+
+def test_chat_messages() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    r = chat_request({"messages": [{"role": "user", "content": parts}]})
+    assert r.messages == [{"role": "user", "content": "ab"}]
+    for bad in ([], [{"content": "x"}], [{"role": "user", "content": 5}], "hi"):
+        with pytest.raises(ApiError):
+            chat_request({"messages": bad})
+    with pytest.raises(ApiError, match="text content"):
+        chat_request({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+
+
+def test_stream_holds_back_a_possible_stop_string_start() -> None:
+    assert _safe_end("hello", ()) == 5
+    assert _safe_end("hello wo", ("world",)) == 6  # "wo" may start "world"
+    assert _safe_end("hello w", ("xyz",)) == 7
+    assert _safe_end("ab", ("abc", "b!")) == 0  # "ab" may start "abc"
