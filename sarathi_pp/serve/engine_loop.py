@@ -115,6 +115,7 @@ class EngineLoop:
     # --- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self.metrics.engine_state(self.engine)  # the KV blocks before any request
             while not self._stop.is_set() or self._sinks:
                 self._run_commands(block=not self._has_work())
                 if self._has_work():
