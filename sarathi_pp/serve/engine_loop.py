@@ -48,10 +48,27 @@ class Sink:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+class _StageTimes:
+    """The engine's recorder, also handing each completed micro-batch's stage timings to the
+    metrics (the engine's own outputs carry no stage timings)."""
+
+    def __init__(self, recorder: Any, metrics: ServerMetrics) -> None:
+        self.recorder = recorder
+        self.metrics = metrics
+
+    def completed(self, microbatch: Any, result: Any, now: float) -> None:
+        self.recorder.completed(microbatch, result, now)
+        self.metrics.stage_events(result.events)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.recorder, name)
+
+
 class EngineLoop:
     def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics or ServerMetrics()
+        engine.recorder = _StageTimes(engine.recorder, self.metrics)
         self._commands: queue.Queue[tuple[Callable[[Any], Any], Future]] = queue.Queue()
         self._sinks: dict[str, Sink] = {}  # request id -> sink; engine thread only
         self._stop = threading.Event()

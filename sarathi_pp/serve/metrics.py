@@ -49,6 +49,16 @@ class ServerMetrics:
         self.kv_blocks_used = Gauge("sarathi_pp_kv_blocks_used", "KV blocks in use", registry=r)
         self.kv_blocks_total = Gauge("sarathi_pp_kv_blocks_total", "KV blocks", registry=r)
         self.preemptions = Counter("sarathi_pp_preemptions", "Preemptions", registry=r)
+        # Per pipeline stage; under load, 1 - rate(busy) is the stage's bubble fraction.
+        self.stage_busy = Counter(
+            "sarathi_pp_stage_busy_seconds",
+            "Seconds each pipeline stage spent computing micro-batches",
+            ["stage"],
+            registry=r,
+        )
+        self.stage_microbatches = Counter(
+            "sarathi_pp_stage_microbatches", "Micro-batches each stage ran", ["stage"], registry=r
+        )
         self._num_preemptions_seen = 0
 
     def finished(self, out: Any) -> None:
@@ -64,6 +74,13 @@ class ServerMetrics:
             self.tbt.observe(gap)
         if m.e2e_latency is not None:
             self.e2e.observe(m.e2e_latency)
+
+    def stage_events(self, events: Any) -> None:
+        """The ``StageEvent``s of one completed micro-batch (one per stage)."""
+        for e in events:
+            stage = str(e.stage)
+            self.stage_busy.labels(stage=stage).inc(max(0.0, e.compute_end - e.compute_start))
+            self.stage_microbatches.labels(stage=stage).inc()
 
     def engine_state(self, engine: Any) -> None:
         scheduler = engine.scheduler

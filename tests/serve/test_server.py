@@ -293,6 +293,8 @@ def test_models_and_metrics(client, server) -> None:
         "sarathi_pp_num_requests_waiting",
         "sarathi_pp_kv_blocks_used",
         "sarathi_pp_preemptions_total",
+        'sarathi_pp_stage_busy_seconds_total{stage="0"}',
+        'sarathi_pp_stage_microbatches_total{stage="0"}',
     ):
         assert name in text
 
