@@ -60,10 +60,12 @@ def run(args: argparse.Namespace) -> int:
     server = build_server(engine, name, args.host, args.port, api_key, args.log_level)
     try:
         server.run()  # its lifespan stops the engine loop and shuts the engine down
-    except KeyboardInterrupt:  # uvicorn re-raises the stop signal once it has stopped
-        print(f"{PROG}: stopped", file=sys.stderr)
-        return 0
-    except SystemExit:  # uvicorn could not listen (e.g. the port is taken); it logged why
-        print(f"{PROG}: error: could not serve on {args.host}:{args.port}", file=sys.stderr)
-        return 1
+    except (KeyboardInterrupt, SystemExit):
+        # After a graceful stop uvicorn raises the stop signal again for the handler it
+        # replaced (Python's, or Ray's, which exits); before the start, uvicorn exits when
+        # it cannot listen (e.g. the port is taken), having logged why.
+        if not server.started:
+            print(f"{PROG}: error: could not serve on {args.host}:{args.port}", file=sys.stderr)
+            return 1
+    print(f"{PROG}: stopped", file=sys.stderr)
     return 0
