@@ -90,6 +90,32 @@ class LLM:
             logger.exception("writing the run's records failed; the outputs are returned")
         return outputs
 
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        on_finished: Callable[[int, RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """As vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}``) or a
+        list of them, each rendered by the tokenizer's chat template with the generation
+        prompt, then ``generate``. ``ValueError`` for a model without a chat template."""
+        conversations: list[Any]
+        if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        elif isinstance(messages, list) and messages:
+            conversations = list(messages)
+        else:
+            raise ValueError(f"messages must be a conversation or a list of them, got {messages!r}")
+        prompts: list[Prompt] = []
+        for i, conversation in enumerate(conversations):
+            try:
+                text, token_ids = self.engine.inputs.render_chat(conversation)
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}") from None
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        return self.generate(prompts, sampling_params, use_tqdm, on_finished)
+
     def _params_per_prompt(self, sp, n: int) -> list[SamplingParams]:
         if sp is None:
             return [SamplingParams()] * n

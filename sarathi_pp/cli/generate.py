@@ -42,6 +42,13 @@ def add_parser(subparsers: Any) -> None:
     g.add_argument(
         "--prompts-file", metavar="FILE", help="one prompt a line, blank lines skipped; - = stdin"
     )
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt is one user turn of its own conversation, rendered by the model's "
+        "chat template",
+    )
+    g.add_argument("--system", metavar="TEXT", help="with --chat: a system message first")
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=16, metavar="N", help="default: 16")
     g.add_argument(
@@ -91,6 +98,8 @@ def collect_prompts(args: argparse.Namespace, stdin: IO[str] | None = None) -> l
         prompts += read_prompts_file(args.prompts_file, stdin)
     if not prompts:
         raise ValueError("no prompts: give --prompt TEXT or --prompts-file FILE")
+    if getattr(args, "system", None) is not None and not getattr(args, "chat", False):
+        raise ValueError("--system goes with --chat")
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i} is empty")
@@ -186,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
     sink = None
     try:  # from here on the stages are up: released whatever happens
         with user_errors():
-            requests = [tokenized_prompt(llm, i, p) for i, p in enumerate(prompts)]
+            chat = conversation_of(args.system) if args.chat else None
+            requests = [tokenized_prompt(llm, i, p, chat) for i, p in enumerate(prompts)]
         sink = FinishedSink(args.output)
         use_tqdm = should_show_progress(args.progress, len(prompts), sys.stderr)
         start = time.perf_counter()
@@ -255,12 +265,25 @@ def stopped(error: BaseException, llm: Any, sink: FinishedSink | None, num_promp
     return 1
 
 
-def tokenized_prompt(llm: Any, index: int, text: str) -> dict[str, Any]:
-    """Tokenize and check one prompt before any runs, naming it on error.
+def conversation_of(system: str | None) -> Any:
+    """``--chat``: a prompt's conversation (``--system`` first, when given)."""
+    head = [{"role": "system", "content": system}] if system is not None else []
+    return lambda text: [*head, {"role": "user", "content": text}]
+
+
+def tokenized_prompt(llm: Any, index: int, text: str, chat: Any = None) -> dict[str, Any]:
+    """Tokenize and check one prompt before any runs, naming it on error; ``chat``: the
+    prompt is a user turn rendered by the chat template (``conversation_of``).
 
     Why not let ``LLM.generate`` do it: it would, but its ``ValueError`` could not be told
     apart from one raised by the engine loop, which must not be reported as a usage error.
     """
-    token_ids = llm.engine.tokenize(text)
+    if chat is None:
+        token_ids = llm.engine.tokenize(text)
+    else:
+        try:
+            token_ids = llm.engine.inputs.render_chat(chat(text))[1]
+        except ValueError as e:
+            raise ValueError(f"prompt {index}: {e}") from None
     llm.engine.validate_prompt(token_ids, f"prompt {index}")
     return {"prompt": text, "prompt_token_ids": token_ids}

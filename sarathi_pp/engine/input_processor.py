@@ -40,6 +40,41 @@ class InputProcessor:
             raise TypeError(f"request {request_id!r}: prompt must be a string, got {prompt!r}")
         return self.tokenize(prompt) if prompt else []
 
+    def render_chat(self, messages: Any) -> tuple[str, list[int]]:
+        """One conversation (``[{"role", "content"}, ...]``) through the tokenizer's chat
+        template with the generation prompt: its text and token ids (the template's own
+        BOS is not added twice). ``ValueError`` for a model without a template."""
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError(
+                f"model folder {self.checkpoint.path!r} has no tokenizer: chat needs one"
+            )
+        if not getattr(tok, "chat_template", None):
+            raise ValueError(
+                f"the tokenizer of {self.checkpoint.path!r} has no chat template "
+                "(tokenizer_config.json 'chat_template'): give plain prompts instead"
+            )
+        if (
+            not isinstance(messages, list)
+            or not all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+                for m in messages
+            )
+            or not messages
+        ):
+            raise ValueError(
+                f"a conversation must be a non-empty list of {{'role': str, 'content': str}}, got {messages!r}"
+            )
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template refusing these messages (raise_exception)
+            raise ValueError(f"the chat template failed on these messages: {e}") from e
+        bos = getattr(tok, "bos_token", None)
+        special = not (bos and text.startswith(bos))  # the template wrote the BOS itself
+        return text, list(tok.encode(text, add_special_tokens=special))
+
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError(

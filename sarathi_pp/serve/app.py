@@ -123,7 +123,7 @@ class _Routes:
         messages = req.messages
 
         def add(engine: Any) -> None:  # on the engine thread: it owns the tokenizer
-            prompt, token_ids = render_chat(engine.tokenizer, messages)
+            prompt, token_ids = render_chat(engine, messages)
             engine.add_request(request_id, prompt, req.params, prompt_token_ids=token_ids)
 
         return await self._generate(request, req, request_id, add, chat=True)
@@ -282,22 +282,11 @@ async def _json_body(request: Request) -> Any:
         raise p.bad_request(f"the request body is not valid JSON: {e}") from None
 
 
-def render_chat(tokenizer: Any, messages: Any) -> tuple[str, list[int] | None]:
-    """The prompt of a chat (its template with the generation prompt), and its token ids
-    when the rendered text holds the BOS token already (not to be added twice)."""
-    if tokenizer is None:
-        raise p.bad_request("the model has no tokenizer: chat needs one; use /v1/completions")
-    if not getattr(tokenizer, "chat_template", None):
-        raise p.bad_request(
-            "the model's tokenizer has no chat template (tokenizer_config.json "
-            "'chat_template'): use /v1/completions",
-            "messages",
-        )
+def render_chat(engine: Any, messages: Any) -> tuple[str, list[int]]:
+    """The prompt of a chat and its token ids (``InputProcessor.render_chat``: the one
+    place that renders chats, for ``LLM.chat`` and ``generate --chat`` too); a model
+    without a template, or messages it refuses, is a 400."""
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # noqa: BLE001 - a template refusing these messages (raise_exception)
-        raise p.bad_request(f"the chat template failed on these messages: {e}", "messages") from e
-    bos = getattr(tokenizer, "bos_token", None)
-    if bos and text.startswith(bos):
-        return text, list(tokenizer.encode(text, add_special_tokens=False))
-    return text, None
+        return engine.inputs.render_chat(messages)
+    except ValueError as e:
+        raise p.bad_request(f"{e}; use /v1/completions for plain prompts", "messages") from e
