@@ -159,7 +159,7 @@ class RunDir(_Dir):
             w = csv.DictWriter(f, fieldnames=REQUEST_COLUMNS)
             w.writeheader()
             for out in outputs:
-                w.writerow({k: ("" if v is None else v) for k, v in request_row(out, t0).items()})
+                w.writerow(request_row(out, t0))
 
 
 @dataclass(frozen=True)
@@ -190,12 +190,13 @@ class BenchDir(_Dir):
 
 
 def request_row(out: RequestOutput, t0: float) -> dict:
-    """One ``requests.csv`` row; instants relative to ``t0`` (the first arrival)."""
+    """One ``requests.csv`` row, ready for ``csv.DictWriter`` (unknown values empty);
+    instants relative to ``t0`` (the first arrival)."""
     m = out.metrics
     rel = lambda t: None if t is None else t - t0  # noqa: E731
     tbt = m.tbt
     n_out = len(out.outputs[0].token_ids)
-    return {
+    row = {
         "request_id": out.request_id,
         "num_prompt_tokens": len(out.prompt_token_ids),
         "num_output_tokens": n_out,
@@ -214,3 +215,4 @@ def request_row(out: RequestOutput, t0: float) -> dict:
         "num_preemptions": m.num_preemptions,
         "token_times": " ".join(f"{t - m.arrival_time:.6f}" for t in m.token_times),
     }
+    return {k: ("" if v is None else v) for k, v in row.items()}

@@ -92,8 +92,9 @@ class PipelineFaults:
         try:
             self.executor.restart()  # type: ignore[attr-defined]  # Ray's executor
         except Exception as e:
-            self._die(StageError(error.stage_idx, f"{error}; replacing it failed: {e}"))
-            raise StageError(error.stage_idx, f"{error}; replacing it failed: {e}") from e
+            failed = StageError(error.stage_idx, f"{error}; replacing it failed: {e}")
+            self._die(failed)
+            raise failed from e
 
     def _on_step_failure(self, error: BaseException) -> None:
         """Called from ``step``'s ``except``: returns normally only when a lost stage was

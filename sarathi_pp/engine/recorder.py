@@ -83,7 +83,6 @@ class RunRecorder:
 
     def __init__(self, run_dir: RunDir, config: EngineConfig, now: float, overwrite: bool) -> None:
         self.run_dir = run_dir
-        self.path = run_dir.path
         self.config = config
         self.overwrite = overwrite
         self.events = EventLog(config.parallel.pipeline_parallel_size, now, config.to_dict())
@@ -92,6 +91,10 @@ class RunRecorder:
         self._rows_flushed_at = 0.0
         self._t0: float | None = None  # the first request's arrival: requests.csv's origin
         self._broken = False  # a write failed: recording stopped
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir.path
 
     # --- the loop's records (held until the run dir opens, then streamed) ------------------
     def before_schedule(self, now: float, scheduler: Scheduler) -> None:
@@ -140,8 +143,7 @@ class RunRecorder:
         if self._requests is None:
             self._open()
         t0 = output.metrics.arrival_time if self._t0 is None else self._t0
-        row = request_row(output, t0)
-        self._rows.writerow({k: ("" if v is None else v) for k, v in row.items()})
+        self._rows.writerow(request_row(output, t0))
         if time.monotonic() - self._rows_flushed_at >= EventLog.FLUSH_EVERY_S:
             self._flush()
 

@@ -230,52 +230,46 @@ def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
     }
 
 
+def _envelope(
+    request_id: str,
+    obj: str,
+    model: str,
+    choice: dict[str, Any],
+    finish_reason: str | None,
+    use: dict[str, int] | None,
+) -> dict[str, Any]:
+    """OpenAI's response (or chunk) around one choice (index 0)."""
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": use,
+    }
+
+
 def completion_response(
     request_id: str, model: str, text: str, finish_reason: str | None, use: dict[str, int]
 ) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": use,
-    }
+    return _envelope(request_id, "text_completion", model, {"text": text}, finish_reason, use)
 
 
 def chat_response(
     request_id: str, model: str, text: str, finish_reason: str | None, use: dict[str, int]
 ) -> dict[str, Any]:
-    message = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": use,
-    }
+    message = {"message": {"role": "assistant", "content": text}}
+    return _envelope(request_id, "chat.completion", model, message, finish_reason, use)
 
 
 def completion_chunk(
     request_id: str, model: str, text: str, finish_reason: str | None
 ) -> dict[str, Any]:
-    chunk = completion_response(request_id, model, text, finish_reason, {})
-    chunk["usage"] = None
-    return chunk
+    return _envelope(request_id, "text_completion", model, {"text": text}, finish_reason, None)
 
 
 def chat_chunk(
     request_id: str, model: str, delta: dict[str, str], finish_reason: str | None
 ) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": None,
-    }
+    chunk = {"delta": delta}
+    return _envelope(request_id, "chat.completion.chunk", model, chunk, finish_reason, None)
