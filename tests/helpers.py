@@ -12,6 +12,7 @@ at a step where the reference's top-2 logit margin is below ``tol``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -182,3 +183,12 @@ def assert_greedy_match(
             f"greedy outputs agree on {min(len(ours), len(ref))} tokens but have lengths "
             f"{len(ours)} (ours) vs {len(ref)} (HF)\n  ours: {list(ours)}\n  HF:   {list(ref)}"
         )
+
+
+def torchrun_command(model_dir: Path, *args: str) -> list[str]:
+    """``torchrun --standalone --nproc-per-node 2 -m sarathi_pp.launch.torchrun --model
+    model_dir *args`` with this interpreter."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "sarathi_pp.launch.torchrun", "--model", str(model_dir), *args,
+    ]  # fmt: skip

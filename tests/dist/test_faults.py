@@ -110,14 +110,15 @@ def test_ctrl_c_mid_run_then_clean_outputs(ray_cluster, llama_dir, reference):
 def test_torchrun_dead_rank_ends_the_run_promptly_naming_it(llama_dir, tmp_path):
     import os
     import subprocess
-    import sys
+
+    from helpers import torchrun_command
 
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "-m", "sarathi_pp.launch.torchrun", "--model", str(llama_dir),
-           "--pipeline-parallel-size", "2", "--max-tokens", "30", "--ignore-eos",
-           "--prompt", "hello", "--prompt", "world", "--output", str(out),
-           "--set", "model.max_model_len=256", "--set", "parallel.inject_fault=exit@stage=1,step=3"]  # fmt: skip
+    cmd = torchrun_command(
+        llama_dir, "--pipeline-parallel-size", "2", "--max-tokens", "30", "--ignore-eos",
+        "--prompt", "hello", "--prompt", "world", "--output", str(out),
+        "--set", "model.max_model_len=256", "--set", "parallel.inject_fault=exit@stage=1,step=3",
+    )  # fmt: skip
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip

@@ -17,7 +17,7 @@ import sys
 import time
 
 import pytest
-from helpers import assert_greedy_match, hf_greedy
+from helpers import assert_greedy_match, hf_greedy, torchrun_command
 
 from sarathi_pp import LLM, SamplingParams
 from sarathi_pp.executors import StageError
@@ -112,29 +112,11 @@ def test_killed_stage_is_a_clear_error(ray_cluster, llama_dir):
 def test_torchrun_matches_pp1(llama_dir, tmp_path):
     prompts = ["Hello", "The pipeline has two stages", "x"]
     out = tmp_path / "out.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "sarathi_pp.launch.torchrun",
-        "--model",
-        str(llama_dir),
-        "--pipeline-parallel-size",
-        "2",
-        "--max-tokens",
-        "8",
-        "--ignore-eos",
-        "--output",
-        str(out),
-        "--set",
-        "model.max_model_len=256",
-        "--set",
-        "parallel.stage_timeout_s=60",
-    ]
+    cmd = torchrun_command(
+        llama_dir, "--pipeline-parallel-size", "2", "--max-tokens", "8", "--ignore-eos",
+        "--output", str(out), "--set", "model.max_model_len=256",
+        "--set", "parallel.stage_timeout_s=60",
+    )  # fmt: skip
     for p in prompts:
         cmd += ["--prompt", p]
     proc = subprocess.run(
@@ -151,20 +133,7 @@ def test_torchrun_matches_pp1(llama_dir, tmp_path):
 
 
 def test_torchrun_world_size_must_match(llama_dir):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "sarathi_pp.launch.torchrun",
-        "--model",
-        str(llama_dir),
-        "--prompt",
-        "hi",
-    ]
+    cmd = torchrun_command(llama_dir, "--prompt", "hi")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "torchrun started 2 processes but pipeline_parallel_size=1" in proc.stderr
