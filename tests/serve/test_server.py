@@ -310,8 +310,14 @@ def test_full_queue_429_no_template_400_dead_engine_503(llama_dir: Path) -> None
 
         # The engine thread held between steps: both adds run in one batch, so the first
         # still waits (no step in between) when the second comes.
-        release = threading.Event()
-        server.engine_loop.call(lambda engine: release.wait(30))
+        held, release = threading.Event(), threading.Event()
+
+        def hold(engine: object) -> None:
+            held.set()
+            release.wait(30)
+
+        server.engine_loop.call(hold)
+        assert held.wait(30)  # the thread is inside ``hold``: the queue counts only the adds
         answers: dict[str, int] = {}
 
         def post(prompt: str) -> None:
