@@ -27,6 +27,9 @@ Schema version 1 (``SCHEMA_VERSION``), by ``type``:
             (sarathi, simple_chunking) and again whenever the budget changes
             (``chunk_size: auto``, ``set_scheduler``). Optional: a log without these
             records (another policy, an older run) is still valid.
+``requests_t0`` the origin of ``requests.csv``'s instants (the run's first arrival), ``t``:
+            written when the first request joins, so per-request figures can be put on
+            the log's clock (``requests.bubble_time_s``). Optional (an older log).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from pathlib import Path
 from typing import IO, Any
 
 SCHEMA_VERSION = 1
-EVENT_TYPES = ("header", "stage", "issue", "idle", "done", "chunk_size")
+EVENT_TYPES = ("header", "stage", "issue", "idle", "done", "chunk_size", "requests_t0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +158,10 @@ class EventLog:
         if chunk_size != self._chunk_size:
             self._chunk_size = chunk_size
             self._add({"type": "chunk_size", "t": t - self.t0, "chunk_size": chunk_size})
+
+    def requests_t0(self, t: float) -> None:
+        """``requests.csv``'s instants are relative to ``t`` (the first arrival)."""
+        self._add({"type": "requests_t0", "t": t - self.t0})
 
     def write(self, path: str | Path) -> None:
         """Write the records held (a log that never streamed) to ``path``."""

@@ -1,7 +1,8 @@
 """The ``sarathi-pp`` command line: one module per subcommand (``generate``, ``report``,
-``bench``, ``plan``, ``profile``), each with ``add_parser(subparsers)`` and ``run(args) ->
-int``; ``common`` has what they share. Subcommands import ``common``, never each other;
-this module imports the subcommands.
+``bench``, ``plan``, ``profile``, ``serve``, ``simulate``), each with
+``add_parser(subparsers)`` and ``run(args) -> int``; ``common`` has what they share
+(``bench_args``: the serving flags of ``bench`` and ``simulate``). Subcommands import
+those, never each other; this module imports the subcommands.
 
 ``main()`` stays thin: parse, run the subcommand; a usage error exits with status 2 (see
 ``common``).
@@ -12,10 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sarathi_pp.cli import bench, generate, plan, profile, report, serve
+from sarathi_pp.cli import bench, generate, plan, profile, report, serve, simulate
 from sarathi_pp.cli.common import PROG, UsageError, sigterm_as_interrupt
 
-SUBCOMMANDS = (generate, report, bench, plan, profile, serve)
+SUBCOMMANDS = (generate, report, bench, plan, profile, serve, simulate)
 
 
 def build_parser() -> argparse.ArgumentParser:

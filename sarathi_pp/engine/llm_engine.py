@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,21 @@ from sarathi_pp.sequence import Sequence, SequenceStatus
 logger = logging.getLogger(__name__)
 
 
+# Builds an executor from the config and the checkpoint: the simulator passes its own
+# (``sarathi_pp.sim``), which the registry of real executors does not hold.
+ExecutorFactory = Callable[[EngineConfig, Any], Executor]
+
+
 class LLMEngine(PipelineFaults):
-    def __init__(self, config: EngineConfig, executor: str | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: str | ExecutorFactory | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``executor``: a registry name (default: the config's) or a factory;
+        ``clock``: the engine's time (``time.monotonic``; the simulator's virtual clock)."""
+        self._clock = clock
         run_dir = None
         if config.run.run_dir is not None:  # refuse a used run dir before any work
             run_dir = RunDir.check(config.run.run_dir, config.run.overwrite)
@@ -53,9 +67,11 @@ class LLMEngine(PipelineFaults):
         self.inputs = InputProcessor(config.model, self.checkpoint)
         self.tokenizer = self.inputs.tokenizer
         check_num_stages(self.spec, config.parallel.pipeline_parallel_size)
-        self.executor: Executor = create_executor(
-            executor or config.parallel.executor_name, config, self.checkpoint
-        )
+        if callable(executor):
+            self.executor: Executor = executor(config, self.checkpoint)
+        else:
+            name = executor or config.parallel.executor_name
+            self.executor = create_executor(name, config, self.checkpoint)
         try:
             self._init_cache_and_scheduler(config)
         except BaseException:
@@ -129,9 +145,8 @@ class LLMEngine(PipelineFaults):
             b, first_microbatch_id,
         )  # fmt: skip
 
-    @staticmethod
-    def now() -> float:
-        return time.monotonic()
+    def now(self) -> float:
+        return self._clock()
 
     # --- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

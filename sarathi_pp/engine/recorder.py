@@ -123,6 +123,7 @@ class RunRecorder:
         """A checked request joined the run: the run dir opens with the first one."""
         if self._t0 is None:
             self._t0 = arrival_time
+            self._safely(self.events.requests_t0, arrival_time)
         if self._requests is None:
             self._safely(self._open)
 

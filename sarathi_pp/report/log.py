@@ -64,6 +64,7 @@ class RunLog:
     issues: tuple[Issue, ...]  # by t
     dones: tuple[tuple[int, float], ...]  # (mb, t) by t
     chunk_sizes: tuple[tuple[float, int], ...]  # (t, chunk_size) by t
+    requests_t0: float | None = None  # requests.csv's origin on this clock (None: unknown)
 
     def by_mb(self, stage_idx: int) -> dict[int, StageEvent]:
         return {e.mb: e for e in self.stages[stage_idx]}
@@ -111,6 +112,7 @@ def parse_log(records: list[dict[str, Any]], source: str) -> RunLog:
                 for r in by_type.get("chunk_size", [])
             )
         ),
+        requests_t0=next((_num(r, "t", source) for r in by_type.get("requests_t0", [])), None),
     )
 
 

@@ -44,6 +44,7 @@ class RequestRow:
     tbt_mean_s: float | None
     tbt_max_s: float | None
     token_times: tuple[float, ...] | None  # None: no token_times column
+    first_scheduled_s: float | None = None
 
 
 def load_requests(path: str | Path) -> list[RequestRow]:
@@ -102,6 +103,7 @@ def _row(r: dict[str, Any], where: str) -> RequestRow:
         tbt_mean_s=_float(r, "tbt_mean_s", where),
         tbt_max_s=_float(r, "tbt_max_s", where),
         token_times=tt,
+        first_scheduled_s=_float(r, "first_scheduled_s", where),
     )
 
 

@@ -10,7 +10,8 @@ Layout (times in seconds)::
               microbatches: {prefill|decode|hybrid|all: {count, compute_mean_s, compute_cv}}}]
     overall: {busy_s, idle_s, window_s, bubble_fraction, bubbles_s, fill_s, drain_s,
               fill_drain_s, num_microbatches, microbatches_by_kind: {kind: count}}
-    requests: see ``request_metrics.request_summary``
+    requests: see ``request_metrics.request_summary``, and ``bubble_time_s`` (p50, p90,
+            p99, max, mean; all null for an older log: ``request_bubbles``)
     chunk_size: {auto, initial, final, min, max, num_changes, changes: [[t_s, chunk_size]]}
             # the token budget over the run, from the log's chunk_size records (``changes``
             # lists every record, the first is the budget at the first micro-batch); null
@@ -27,7 +28,8 @@ from typing import Any
 from sarathi_pp.events import StageEvent
 from sarathi_pp.report.bubbles import BUBBLE_CLASSES, BubbleAnalysis, StageBubbles
 from sarathi_pp.report.log import KINDS, RunLog
-from sarathi_pp.report.request_metrics import RequestRow, request_summary
+from sarathi_pp.report.request_bubbles import request_bubble_times
+from sarathi_pp.report.request_metrics import RequestRow, distribution, request_summary
 
 SUMMARY_VERSION = 1
 
@@ -45,9 +47,15 @@ def build_summary(log: RunLog, analysis: BubbleAnalysis, rows: list[RequestRow])
         "window": _span(w.start, w.end),
         "stages": stages,
         "overall": _overall(analysis.stages, log),
-        "requests": request_summary(rows),
+        "requests": requests_entry(log, rows),
         "chunk_size": chunk_size_summary(log),
     }
+
+
+def requests_entry(log: RunLog, rows: list[RequestRow]) -> dict[str, Any]:
+    """The request metrics with each request's pipeline bubble time."""
+    times = request_bubble_times(log, rows)
+    return {**request_summary(rows), "bubble_time_s": distribution(times or [])}
 
 
 def chunk_size_summary(log: RunLog) -> dict[str, Any] | None:

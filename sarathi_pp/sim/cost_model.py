@@ -1,0 +1,100 @@
+"""What a micro-batch costs on each pipeline stage: one interface, two models.
+
+``CostModel.costs(microbatch)`` -> ``MicrobatchCost``: each stage's compute seconds, each
+stage's send to the next one, and the return of the sampled tokens to the driver.
+
+- ``AnalyticCostModel``: the roofline of ``analytic.py`` on a ``Hardware`` (tensor
+  parallelism inside each stage, pipeline sends over the inter-node network or NVLink);
+- ``ProfiledCostModel`` (``profiled.py``): a ``sarathi-pp profile`` CSV of this machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from sarathi_pp.microbatch import MicroBatch
+from sarathi_pp.model_spec import ModelSpec
+from sarathi_pp.sim.analytic import (
+    LayerShape,
+    Rows,
+    embed_ops,
+    head_ops,
+    layer_ops,
+    op_seconds,
+)
+from sarathi_pp.sim.hardware import Hardware
+
+PP_LINKS = ("network", "nvlink")
+
+
+@dataclass(frozen=True, slots=True)
+class MicrobatchCost:
+    compute_s: tuple[float, ...]  # per stage
+    send_s: tuple[float, ...]  # per stage: to the next stage (the last: 0)
+    return_s: float  # the last stage's sampled tokens to the driver
+
+
+class CostModel(Protocol):
+    num_stages: int
+
+    def costs(self, microbatch: MicroBatch) -> MicrobatchCost: ...
+    def describe(self) -> str: ...
+
+
+class AnalyticCostModel:
+    """``layer_ranges``: the placement's ``[start, end)`` per stage; ``tp`` GPUs per stage;
+    ``pp_link``: what carries the pipeline sends (``network``: stages on different nodes)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        hardware: Hardware,
+        layer_ranges: tuple[tuple[int, int], ...],
+        tp: int = 1,
+        dtype: str = "bfloat16",
+        pp_link: str = "network",
+    ) -> None:
+        if pp_link not in PP_LINKS:
+            raise ValueError(f"pp_link must be one of {PP_LINKS}, got {pp_link!r}")
+        self.spec, self.hw, self.tp, self.pp_link = spec, hardware, tp, pp_link
+        self.shape = LayerShape.of(spec, tp, dtype)
+        self.num_layers = tuple(end - start for start, end in layer_ranges)
+        self.num_stages = len(layer_ranges)
+
+    def describe(self) -> str:
+        return (
+            f"analytic roofline on {self.hw.name} (TP{self.tp} x PP{self.num_stages}, "
+            f"{self.shape.dtype_bytes}-byte dtype, tile {self.hw.matmul_tile}, "
+            f"pipeline link {self.pp_link})"
+        )
+
+    def layer_seconds(self, rows: Rows) -> float:
+        ops = layer_ops(self.shape, rows, self.hw.matmul_tile, self.tp, self.hw)
+        return sum(op_seconds(op, self.hw) for op in ops)
+
+    def costs(self, microbatch: MicroBatch) -> MicrobatchCost:
+        rows = Rows.of(microbatch)
+        layer = self.layer_seconds(rows)
+        compute = [n * layer for n in self.num_layers]
+        compute[0] += sum(op_seconds(op, self.hw) for op in embed_ops(self.shape, rows))
+        head = head_ops(self.shape, rows, self.hw.matmul_tile, self.tp, self.hw)
+        compute[-1] += sum(op_seconds(op, self.hw) for op in head)
+        send = self.send_seconds(rows.num_rows)
+        sends = tuple(send if s < self.num_stages - 1 else 0.0 for s in range(self.num_stages))
+        ret = self.link_latency() if self.num_stages > 1 else 0.0
+        return MicrobatchCost(tuple(compute), sends, ret)
+
+    def link_latency(self) -> float:
+        hw = self.hw
+        us = hw.network_latency_us if self.pp_link == "network" else hw.nvlink_latency_us
+        return us * 1e-6
+
+    def send_seconds(self, num_rows: int) -> float:
+        """Hidden states ``[num_rows, hidden]`` to the next stage, each of the ``tp`` GPUs
+        sending its share over its own link."""
+        nbytes = num_rows * self.shape.hidden * self.shape.dtype_bytes / self.tp
+        bw = (
+            self.hw.network_bytes_per_s if self.pp_link == "network" else self.hw.nvlink_bytes_per_s
+        )
+        return nbytes / bw + self.link_latency()

@@ -1,0 +1,118 @@
+"""The simulated executor: the ``Executor`` contract (``sarathi_pp/executors/base.py``)
+with stages that take a cost model's time on a virtual clock instead of running tensors.
+
+For micro-batch ``j`` submitted at ``t`` (after the driver's own ``driver_s`` per
+micro-batch): stage 0 has it at ``t + dispatch_s``; stage ``s`` starts it when it is free
+(done with ``j-1``) and its input is there (stage ``s-1`` ended ``j`` + the send);
+stages run micro-batches in issue order; sends are asynchronous (a stage is free once it
+computed). The driver has the sampled tokens ``return_s`` after the last stage ends, and
+``wait_oldest`` moves the clock there. Each stage's timing is the ``StageEvent`` a real
+stage reports, so ``events.jsonl`` reads as a real run's.
+
+Sampled tokens are a fixed non-EOS id: outputs end by length (the workloads run with
+``ignore_eos``), which is all the schedulers look at.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sarathi_pp.checkpoint import Checkpoint
+from sarathi_pp.config import EngineConfig
+from sarathi_pp.events import StageEvent
+from sarathi_pp.microbatch import MicroBatch, StepResult
+from sarathi_pp.placement import Placement, Resources, resolve_placement
+from sarathi_pp.planner.memory import StageMemory, spec_stage_memory
+from sarathi_pp.sim.clock import SimClock
+from sarathi_pp.sim.cost_model import CostModel
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """The runtime's own time around the stages, seconds per micro-batch."""
+
+    driver_s: float = 0.0  # scheduling + output processing on the driver (serial)
+    dispatch_s: float = 0.0  # driver -> stage 0
+    return_s: float | None = None  # last stage -> driver; None: the cost model's figure
+
+    def __post_init__(self) -> None:
+        for name in ("driver_s", "dispatch_s", "return_s"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and v >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+
+
+def _token_id(eos_ids: tuple[int, ...]) -> int:
+    return next(t for t in range(len(eos_ids) + 1) if t not in eos_ids)
+
+
+class SimExecutor:
+    def __init__(
+        self,
+        config: EngineConfig,
+        checkpoint: Checkpoint,
+        resources: Resources,
+        cost_model: Callable[[Placement], CostModel],
+        clock: SimClock,
+        overheads: Overheads | None = None,
+        tp: int = 1,
+    ) -> None:
+        self.placement = resolve_placement(config, checkpoint.spec, resources)
+        self.spec, self.tp, self.clock = checkpoint.spec, tp, clock
+        self.cost_model = cost_model(self.placement)
+        self.overheads = overheads or Overheads()
+        self.num_stages = self.placement.num_stages
+        self._token = _token_id(checkpoint.spec.eos_token_ids)
+        self._free = [clock.now()] * self.num_stages  # each stage's last compute end
+        self._inflight: deque[tuple[MicroBatch, float, list[StageEvent]]] = deque()
+
+    def load_model(self) -> list[StageMemory]:
+        """Each GPU's share of its stage: parameters and K/V split over ``tp``."""
+        p = self.placement
+        stages = spec_stage_memory(self.spec, self.num_stages, p.dtype, p.memory_bytes)
+        kv_split = min(self.tp, self.spec.num_kv_heads)  # KV heads replicated past that
+        return [
+            StageMemory(s.stage_idx, s.param_bytes // self.tp,
+                        max(1, s.kv_bytes_per_token // kv_split), s.memory_bytes)
+            for s in stages
+        ]  # fmt: skip
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    def submit(self, microbatch: MicroBatch) -> None:
+        o = self.overheads
+        self.clock.advance(o.driver_s)
+        cost = self.cost_model.costs(microbatch)
+        mb, events = microbatch, []
+        ready = self.clock.now() + o.dispatch_s
+        for s in range(self.num_stages):
+            start = max(ready, self._free[s])
+            end = start + cost.compute_s[s]
+            events.append(
+                StageEvent(s, mb.microbatch_id, mb.kind, mb.num_prefill_tokens,
+                           mb.num_decode_tokens, self._free[s], ready, start, end, end)
+            )  # fmt: skip
+            self._free[s] = end
+            ready = end + cost.send_s[s]
+        back = cost.return_s if o.return_s is None else o.return_s
+        self._inflight.append((mb, events[-1].compute_end + back, events))
+
+    def next_done(self) -> float | None:
+        """When the driver will have the oldest micro-batch's tokens (None: none in flight)."""
+        return self._inflight[0][1] if self._inflight else None
+
+    def wait_oldest(self) -> tuple[MicroBatch, StepResult]:
+        mb, done, events = self._inflight.popleft()
+        self.clock.advance_to(done)
+        sampled = dict.fromkeys(mb.sampled_seq_ids, self._token)
+        return mb, StepResult(sampled=sampled, events=events)
+
+    def reset(self) -> None:
+        self._inflight.clear()
+        self._free = [self.clock.now()] * self.num_stages
+
+    def shutdown(self) -> None:
+        self._inflight.clear()

@@ -1,0 +1,291 @@
+"""The simulator: analytic costs against hand-computed layers, tile padding, hardware and
+model files, and small simulated runs through the real engine and schedulers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sarathi_pp.bench.workload import workload_from_dict
+from sarathi_pp.config import make_config
+from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
+from sarathi_pp.model_spec import spec_from_dict
+from sarathi_pp.report import load_log, write_report
+from sarathi_pp.sampling_params import SamplingParams
+from sarathi_pp.sim.analytic import LayerShape, Rows, layer_ops, op_seconds, pad_rows
+from sarathi_pp.sim.cost_model import AnalyticCostModel
+from sarathi_pp.sim.hardware import hardware_from_dict, load_hardware
+from sarathi_pp.sim.setup import SimSetup, build_cluster
+
+HW_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 1000,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "eos_token_id": 2,
+}
+HW = {
+    "name": "toy",
+    "matmul_tflops": 100.0,
+    "matmul_efficiency": 0.5,
+    "memory_gib": 1.0,
+    "memory_bandwidth_gbs": 1000.0,
+    "memory_efficiency": 0.5,
+    "nvlink_bandwidth_gbs": 100.0,
+    "nvlink_latency_us": 10.0,
+    "network_bandwidth_gbs": 10.0,
+    "network_latency_us": 20.0,
+}
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "tiny"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(TINY))
+    return d
+
+
+def ops_by_name(rows: Rows, tp: int = 1, tile: int = 128) -> dict:
+    spec = spec_from_dict(TINY)
+    shape = LayerShape.of(spec, tp, "bfloat16")
+    hw = hardware_from_dict({**HW, "matmul_tile": tile}, "toy")
+    out: dict = {}
+    for op in layer_ops(shape, rows, tile, tp, hw):
+        out.setdefault(op.name, []).append(op)
+    return out
+
+
+# --- the analytic model against hand-computed figures ------------------------------------
+def test_gemm_flops_and_bytes_by_hand():
+    rows = Rows(prefills=((0, 120),), decodes=(), num_sampled=1)
+    ops = ops_by_name(rows)
+    # qkv: [120 (padded to 128), 256] x [256, 256 + 2 x 128]; bf16
+    qkv = ops["qkv"][0]
+    assert qkv.flops == 2 * 128 * 256 * 512
+    assert qkv.bytes == 2 * (256 * 512 + 120 * 256 + 120 * 512)
+    down = ops["down"][0]
+    assert down.flops == 2 * 128 * 512 * 256
+    assert ops["gate_up"][0].flops == 2 * 128 * 256 * 1024
+    assert "all_reduce" not in ops  # tp = 1
+
+
+def test_attention_by_hand():
+    # one chunk of 64 after 128 cached tokens, and decodes at contexts 10 and 20
+    rows = Rows(prefills=((128, 64),), decodes=(10, 20), num_sampled=2)
+    ops = ops_by_name(rows)
+    d, heads, q_dim, kv_dim = 64, 4, 256, 128
+    pre = ops["attn_prefill"][0]
+    assert pre.flops == 4 * d * heads * 64 * (128 + 65 / 2)
+    assert pre.bytes == 2 * (2 * 64 * q_dim + (128 + 64) * 2 * kv_dim + 64 * 2 * kv_dim)
+    dec = ops["attn_decode"][0]
+    assert dec.flops == 4 * d * heads * (11 + 21)
+    assert dec.bytes == 2 * ((11 + 21) * 2 * kv_dim + 2 * (2 * q_dim + 2 * kv_dim))
+
+
+def test_tile_padding():
+    assert [pad_rows(n, 128) for n in (0, 1, 17, 127, 128, 129, 256)] == [
+        0, 16, 32, 128, 128, 256, 256,
+    ]  # fmt: skip
+    flops = lambda n: ops_by_name(Rows(((0, n),), (), 0))["qkv"][0].flops  # noqa: E731
+    assert flops(128) == flops(113) and flops(129) == 2 * flops(128)
+    assert flops(1) == flops(16) == flops(128) / 8  # a few rows: a small-M kernel
+    # a tile of 1: no padding
+    assert ops_by_name(Rows(((0, 100),), (), 0), tile=1)["qkv"][0].flops == 2 * 100 * 256 * 512
+
+
+def test_tensor_parallel_splits_weights_and_adds_all_reduces():
+    rows = Rows(((0, 128),), (), 0)
+    one, two = ops_by_name(rows, tp=1), ops_by_name(rows, tp=2)
+    assert two["gate_up"][0].flops == one["gate_up"][0].flops / 2
+    assert two["o"][0].flops == one["o"][0].flops / 2
+    assert len(two["all_reduce"]) == 2  # after o and after down
+    hw = hardware_from_dict(HW, "toy")
+    # ring: 2 (tp-1)/tp x bytes / bw + latency = 1 x 128 x 256 x 2 / 1e11 + 1e-5
+    assert two["all_reduce"][0].seconds == pytest.approx(128 * 256 * 2 / 100e9 + 10e-6)
+    assert op_seconds(two["all_reduce"][0], hw) == two["all_reduce"][0].seconds
+    with pytest.raises(ValueError, match="tp=3 must divide"):
+        LayerShape.of(spec_from_dict(TINY), 3, "bfloat16")
+
+
+def test_roofline_takes_the_slower_bound():
+    hw = hardware_from_dict(HW, "toy")  # 50 TFLOP/s, 500 GB/s achievable
+    decode = ops_by_name(Rows((), (100,), 1))["qkv"][0]  # one row: memory-bound
+    assert op_seconds(decode, hw) == pytest.approx(decode.bytes / 500e9)
+    big = ops_by_name(Rows(((0, 2048),), (), 0))["gate_up"][0]  # compute-bound
+    assert op_seconds(big, hw) == pytest.approx(big.flops / 50e12)
+
+
+def test_stage_costs_follow_the_layers_and_head():
+    spec = spec_from_dict(TINY)
+    hw = hardware_from_dict(HW, "toy")
+    model = AnalyticCostModel(spec, hw, ((0, 2), (2, 6)), tp=1)
+    chunk = ScheduledChunk(0, 0, tuple(range(64)), True, (0,), SamplingParams(), 0)
+    cost = model.costs(MicroBatch(0, (chunk,)))
+    layer = model.layer_seconds(Rows.of(MicroBatch(0, (chunk,))))
+    assert cost.compute_s[0] > 2 * layer and cost.compute_s[1] > 4 * layer  # + embed, + head
+    assert cost.send_s[1] == 0 and cost.send_s[0] == pytest.approx(64 * 256 * 2 / 10e9 + 20e-6)
+    assert cost.return_s == pytest.approx(20e-6)
+
+
+# --- hardware and model files --------------------------------------------------------------
+def test_shipped_hardware_files_load():
+    for name in ("a100-80gb", "a6000", "h100", "h200"):
+        hw = load_hardware(HW_DIR / f"{name}.yaml")
+        assert hw.name == name and hw.sources and hw.memory_bytes > 40 * 2**30
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"matmul_efficiency": 1.5}, "matmul_efficiency must be in"),
+        ({"memory_bandwidth_gbs": 0}, "memory_bandwidth_gbs must be a number > 0"),
+        ({"network_latency_us": "fast"}, "network_latency_us must be a number"),
+        ({"hbm": 3}, "unknown key.*hbm"),
+        ({"matmul_tile": 0}, "matmul_tile must be an integer >= 1"),
+    ],
+)
+def test_bad_hardware_values_are_named(change, match):
+    with pytest.raises(ValueError, match=match):
+        hardware_from_dict({**HW, **change}, "bad.yaml")
+
+
+def test_bad_hardware_files(tmp_path: Path):
+    f = tmp_path / "x.yaml"
+    f.write_text("matmul_tflops: 1\n")
+    with pytest.raises(ValueError, match="missing key.*matmul_efficiency"):
+        load_hardware(f)
+    f.write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match="must hold a mapping"):
+        load_hardware(f)
+    f.write_text("a: [\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_hardware(f)
+    with pytest.raises(FileNotFoundError, match="no-such-gpu"):
+        load_hardware("no-such-gpu")
+
+
+def test_shipped_model_configs_load():
+    from sarathi_pp.model_spec import load_model_spec
+
+    models = Path(__file__).resolve().parents[2] / "configs" / "models"
+    sizes = {d.name: load_model_spec(d).num_params() / 1e9 for d in models.iterdir()}
+    assert set(sizes) >= {"llama-13b", "llama-33b", "llama-2-70b", "mistral-7b", "gpt3-175b"}
+    assert 174 < sizes["gpt3-175b"] < 176 and 12.5 < sizes["llama-13b"] < 13.5
+
+
+def test_bad_model_file_is_a_usage_error(tmp_path: Path, capsys):
+    from sarathi_pp.cli import main
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**TINY, "hidden_size": 250}))
+    w = tmp_path / "w.yaml"
+    w.write_text("num_requests: 2\nprompt_tokens: 16\noutput_tokens: 2\n")
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--model", str(d), "--hardware", str(HW_DIR / "a100-80gb.yaml"),
+              "--workload", str(w), "--run-dir", str(tmp_path / "r")])  # fmt: skip
+    assert e.value.code == 2
+    assert "hidden_size=250 is not divisible" in capsys.readouterr().err
+
+
+# --- simulated runs ------------------------------------------------------------------------
+def _cluster(model_dir: Path, pp: int, **overrides):
+    config = make_config(model=str(model_dir), pipeline_parallel_size=pp, **overrides)
+    return build_cluster(config, SimSetup(hardware=hardware_from_dict(HW, "toy")))
+
+
+def _requests(n: int, prompt: int = 300, output: int = 6):
+    w = workload_from_dict({"num_requests": n, "prompt_tokens": prompt, "output_tokens": output})
+    return w.requests(1000)
+
+
+def test_stage_order_and_inflight_limit(model_dir: Path, tmp_path: Path):
+    cluster = _cluster(model_dir, pp=3, chunk_size=128)
+    summary = cluster.serve_run(_requests(6), tmp_path / "run")
+    log = load_log(tmp_path / "run" / "events.jsonl")
+    assert summary["requests"]["num_requests"] == 6
+    assert summary["requests"]["num_generated_tokens"] == 36
+    for s in range(3):
+        mbs = [e.mb for e in log.stages[s]]
+        assert mbs == sorted(mbs)  # every stage runs micro-batches in issue order
+    for s in range(1, 3):
+        prev = log.by_mb(s - 1)
+        for e in log.stages[s]:  # stage s starts j after stage s-1 ended it (+ the send)
+            assert e.compute_start >= prev[e.mb].compute_end + 20e-6 - 1e-12
+    done = dict(log.dones)
+    for issue in log.issues:  # at most 3 (the stages) outstanding when one is issued
+        outstanding = [i for i in log.issues if i.t <= issue.t and done[i.mb] > issue.t]
+        assert len(outstanding) <= 3
+    assert max(e.num_prefill_tokens + e.num_decode_tokens for e in log.stages[0]) <= 128
+
+
+def test_inflight_limit_setting_is_obeyed(model_dir: Path, tmp_path: Path):
+    cluster = _cluster(model_dir, pp=2, num_microbatches_in_flight=1)
+    cluster.serve_run(_requests(4), tmp_path / "run")
+    log = load_log(tmp_path / "run" / "events.jsonl")
+    done = dict(log.dones)
+    for a, b in zip(log.issues, log.issues[1:]):
+        assert b.t >= done[a.mb]  # one at a time: the next waits for the previous' tokens
+
+
+def test_report_reads_a_simulated_run(model_dir: Path, tmp_path: Path):
+    from sarathi_pp.cli import main
+
+    cluster = _cluster(model_dir, pp=2)
+    cluster.serve_run(_requests(5), tmp_path / "run")
+    summary = write_report(tmp_path / "run", plot=False)
+    assert summary["num_stages"] == 2 and summary["overall"]["num_microbatches"] > 0
+    assert summary["requests"]["bubble_time_s"]["p50"] is not None
+    assert main(["report", str(tmp_path / "run")]) == 0
+
+
+def test_sarathi_beats_orca_on_tbt_p99(model_dir: Path, tmp_path: Path):
+    """Long prompts stall orca's decodes; SARATHI's chunks keep every step short."""
+    p99 = {}
+    for policy in ("sarathi", "orca"):
+        cluster = _cluster(model_dir, pp=1, scheduler=policy, chunk_size=128)
+        s = cluster.serve_run(_requests(8, prompt=1500, output=20), tmp_path / policy)
+        p99[policy] = s["requests"]["tbt_s"]["p99"]
+    assert p99["sarathi"] < p99["orca"] / 2
+
+
+def test_replicas_split_the_requests(model_dir: Path, tmp_path: Path):
+    config = make_config(model=str(model_dir))
+    setup = SimSetup(hardware=hardware_from_dict(HW, "toy"), replicas=3)
+    summary = build_cluster(config, setup).serve_run(_requests(7), tmp_path / "run")
+    assert summary["replicas"] == 3 and summary["requests"]["num_requests"] == 7
+    counts = [
+        summary_of(tmp_path / "run" / f"replica-{i}")["requests"]["num_requests"] for i in range(3)
+    ]
+    assert counts == [3, 2, 2]  # round robin
+    assert len(summary["stages"]) == 3
+
+
+def summary_of(d: Path) -> dict:
+    return json.loads((d / "summary.json").read_text())
+
+
+def test_simulate_cli_end_to_end(model_dir: Path, tmp_path: Path, capsys):
+    from sarathi_pp.cli import main
+
+    w = tmp_path / "w.yaml"
+    w.write_text("num_requests: 6\nprompt_tokens: {choice: [64, 400]}\noutput_tokens: 5\n")
+    out = tmp_path / "sim"
+    rc = main(["simulate", "--model", str(model_dir), "--hardware", str(HW_DIR / "a6000.yaml"),
+               "--pp", "2", "--workload", str(w), "--schedulers", "sarathi,orca",
+               "--run-dir", str(out), "--no-progress"])  # fmt: skip
+    assert rc == 0
+    assert "sarathi / orca" in capsys.readouterr().out
+    comparison = json.loads((out / "comparison.json").read_text())
+    assert [r["name"] for r in comparison["runs"]] == ["sarathi", "orca"]
+    for policy in ("sarathi", "orca"):
+        assert summary_of(out / policy)["requests"]["num_generated_tokens"] == 30
+        assert main(["report", str(out / policy)]) == 0
