@@ -11,6 +11,7 @@ loop and the simulator stay torch-free.
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,10 @@ from sarathi_pp.config import BUILTIN_PREFIX, ModelConfig
 from sarathi_pp.model_spec import ModelSpec, load_model_spec
 
 BUILTIN_RESOLVER = "sarathi_pp.stages.builtin:resolve_builtin"
+# A Hugging Face hub id: "org/name" (letters, digits, "-", "_", "."), not a local path.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# What a model needs from the hub: never the repo's other weights formats or its code.
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt", "*.tiktoken"]
 
 
 @dataclass(frozen=True)
@@ -36,15 +41,37 @@ def load_checkpoint(model: ModelConfig) -> Checkpoint:
 
 
 def resolve_model_path(path: str) -> str:
-    """A local folder for ``path``: the folder itself, or the built ``builtin:NAME``."""
+    """A local folder for ``path``: the folder itself, the built ``builtin:NAME``, or the
+    snapshot of hub id ``org/name`` (the local hub cache first, then a download)."""
     if path.startswith(BUILTIN_PREFIX):
         module, _, name = BUILTIN_RESOLVER.partition(":")
         resolve_builtin = getattr(importlib.import_module(module), name)
         return resolve_builtin(path[len(BUILTIN_PREFIX) :])
     p = Path(path).expanduser()
-    if not p.is_dir():
-        raise FileNotFoundError(f"model directory {path!r} does not exist")
-    return str(p)
+    if p.is_dir():
+        return str(p)
+    if HUB_ID.fullmatch(path) and not p.exists():
+        return resolve_hub_id(path)
+    raise FileNotFoundError(f"model directory {path!r} does not exist")
+
+
+def resolve_hub_id(repo_id: str) -> str:
+    """The local snapshot of hub model ``repo_id``: from the hub cache (``HF_HUB_CACHE``)
+    when it is there, else downloaded (safetensors, configs and tokenizer files only)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True)
+    except (FileNotFoundError, HFValidationError, OSError, ValueError):
+        pass  # not cached (huggingface_hub raises LocalEntryNotFoundError, an OSError)
+    try:
+        return snapshot_download(repo_id, allow_patterns=HUB_FILES)
+    except Exception as e:  # offline, unknown repo, gated, ...: one clear message
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not a local folder, not in the Hugging Face cache, and "
+            f"could not be downloaded ({type(e).__name__}: {str(e).splitlines()[0]})"
+        ) from e
 
 
 def resolve_max_model_len(model: ModelConfig, spec: ModelSpec) -> int:

@@ -44,8 +44,10 @@ def _check_opt_int(name: str, value: Any, minimum: int) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = "builtin:tiny-llama"
-    """A local Hugging Face model folder (config.json + safetensors), or ``builtin:NAME``
-    for a model the project builds itself (``builtin:tiny-llama``, the embedded default)."""
+    """A local Hugging Face model folder (config.json + safetensors), ``builtin:NAME`` for a
+    model the project builds itself (``builtin:tiny-llama``, the embedded default with random
+    weights; ``builtin:smollm2-135m``, a real one), or a Hugging Face hub id ``org/name``
+    (the local hub cache first, then a download where the network allows)."""
     dtype: str = "auto"
     """``float32``, ``bfloat16``, ``float16``; ``auto`` = bfloat16 on CUDA, float32 on CPU."""
     max_model_len: int | None = None
@@ -54,8 +56,13 @@ class ModelConfig:
     """Tokenizer folder; ``None`` = the model folder (token-id prompts need none)."""
     device: str = "auto"
     """``cpu``, ``cuda`` or ``auto`` (CUDA when available)."""
+    seed: int | None = None
+    """The engine-wide default seed: a sampled request without its own ``seed`` gets one
+    derived from this and its order of arrival, so a rerun of the same requests samples the
+    same tokens, however they are batched. ``None``: such requests draw fresh randomness."""
 
     def __post_init__(self) -> None:
+        _check_opt_int("seed", self.seed, 0)
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"model must be a non-empty path, got {self.path!r}")
         if self.dtype not in DTYPES:
@@ -149,6 +156,9 @@ class SchedulerConfig:
 class ParallelConfig:
     pipeline_parallel_size: int = 1
     """Number of pipeline stages."""
+    tensor_parallel_size: int = 1
+    """Accepted as in vLLM; only 1 (no tensor parallelism: split a model over pipeline
+    stages instead)."""
     num_microbatches_in_flight: int | None = None
     """Plans outstanding at once; ``None`` = ``pipeline_parallel_size``."""
     executor: str = "auto"
@@ -167,6 +177,11 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        if self.tensor_parallel_size != 1 or isinstance(self.tensor_parallel_size, bool):
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size!r}: tensor parallelism is not "
+                f"supported, only 1; split the model over stages with pipeline_parallel_size"
+            )
         _check_opt_int("num_microbatches_in_flight", self.num_microbatches_in_flight, 1)
         _check_opt_int("num_threads_per_stage", self.num_threads_per_stage, 1)
         _check_int("max_stage_restarts", self.max_stage_restarts, 0)
@@ -239,6 +254,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "max_model_len": ("model", "max_model_len"),
     "tokenizer": ("model", "tokenizer"),
     "device": ("model", "device"),
+    "seed": ("model", "seed"),
     "block_size": ("cache", "block_size"),
     "kv_cache_memory": ("cache", "kv_cache_memory"),
     "num_kv_blocks": ("cache", "num_kv_blocks"),
@@ -255,6 +271,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_waiting": ("scheduler", "max_waiting"),
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
+    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "num_microbatches_in_flight": ("parallel", "num_microbatches_in_flight"),
     "executor": ("parallel", "executor"),
     "num_threads_per_stage": ("parallel", "num_threads_per_stage"),

@@ -28,6 +28,8 @@ OVERRIDE_FLAGS: dict[str, str] = {
     "scheduler": "scheduler",
     "chunk_size": "chunk_size",
     "pipeline_parallel_size": "pipeline_parallel_size",
+    "tensor_parallel_size": "tensor_parallel_size",
+    "seed": "seed",
     "dtype": "dtype",
     "run_dir": "run_dir",
     "overwrite": "overwrite",
@@ -56,7 +58,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The config flags every model-running subcommand shares."""
     g = parser.add_argument_group("engine config (later wins: defaults < --config < flags)")
     g.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
-    g.add_argument("--model", metavar="PATH", help="model folder or builtin:NAME (model.path)")
+    g.add_argument(
+        "--model", metavar="PATH", help="model folder, builtin:NAME or hub id org/name (model.path)"
+    )
     g.add_argument("--scheduler", metavar="POLICY", help="scheduler.policy (sarathi, vllm, ...)")
     g.add_argument(
         "--chunk-size", type=chunk_size_arg, metavar="N|auto", help="scheduler.chunk_size"
@@ -64,6 +68,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--pipeline-parallel-size", type=int, metavar="N", help="parallel.pipeline_parallel_size"
     )
+    g.add_argument(
+        "--tensor-parallel-size", type=int, metavar="1", help="parallel.tensor_parallel_size (1)"
+    )
+    g.add_argument("--seed", type=int, metavar="N", help="model.seed: default for sampled requests")
     g.add_argument("--dtype", choices=DTYPES, help="model.dtype")
     g.add_argument("--run-dir", metavar="DIR", help="run.run_dir: where the run's records go")
     g.add_argument(

@@ -56,7 +56,6 @@ def add_parser(subparsers: Any) -> None:
     )
     g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="default: 1 (off)")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="default: 0 (off)")
-    g.add_argument("--seed", type=int, default=None, metavar="N")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     g.add_argument(
         "--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)"
@@ -85,7 +84,6 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
-        seed=args.seed,
         ignore_eos=args.ignore_eos,
         stop=tuple(args.stop),
     )

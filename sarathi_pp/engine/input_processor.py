@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Iterable
@@ -16,10 +17,19 @@ from sarathi_pp.tokenizer import has_tokenizer, load_tokenizer
 class InputProcessor:
     def __init__(self, model: ModelConfig, checkpoint: Checkpoint) -> None:
         self.checkpoint = checkpoint
+        self.seed = model.seed
         tok_dir = model.tokenizer or checkpoint.path  # the model folder's by default
         if model.tokenizer is not None and not has_tokenizer(tok_dir):
             raise FileNotFoundError(f"tokenizer folder {tok_dir!r} has no tokenizer files")
         self.tokenizer: Any = load_tokenizer(tok_dir) if has_tokenizer(tok_dir) else None
+
+    def seeded(self, params: SamplingParams, index: int) -> SamplingParams:
+        """``params`` with a seed derived from the engine's ``model.seed`` and the request's
+        ``index`` (its order of arrival), when it samples and has no seed of its own."""
+        if self.seed is None or params.seed is not None or params.is_greedy:
+            return params
+        # Distinct per request, the same for the same request order on a rerun.
+        return dataclasses.replace(params, seed=(self.seed * 1_000_003 + index) % (2**63 - 1))
 
     def eos_token_ids(self) -> set[int]:
         """The checkpoint's EOS ids and the tokenizer's."""

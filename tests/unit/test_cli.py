@@ -55,8 +55,10 @@ def test_sampling_flags():
         "--top-k", "3", "--seed", "11", "--ignore-eos", "--stop", "a", "--stop", "bc",
     )  # fmt: skip
     sp = sampling_params_from_args(args)
-    assert (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed) == (5, 0.7, 0.9, 3, 11)
+    assert (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k) == (5, 0.7, 0.9, 3)
     assert sp.ignore_eos and sp.stop == ("a", "bc")
+    # --seed is the engine-wide default (vLLM's), each request's own seed derived from it
+    assert sp.seed is None and config_from_args(args).model.seed == 11
 
 
 # --- config ---------------------------------------------------------------------------------
