@@ -176,7 +176,9 @@ class LLMEngine(PipelineFaults):
         token_ids = as_token_ids(token_ids, where)  # plain ints, never True, to the scheduler
         self.validate_prompt(token_ids, where)
         arrival = arrival_or_now(arrival_time, self.now())  # ValueError: not on our clock
-        seq = Sequence(next(self._seq_ids), request_id, token_ids, params, arrival, prompt=prompt)
+        seq_id = next(self._seq_ids)
+        params = self.inputs.seeded(params, seq_id)
+        seq = Sequence(seq_id, request_id, token_ids, params, arrival, prompt=prompt)
         self._requests[request_id] = seq
         self.outputs.add(seq)
         self.recorder.added(arrival)
