@@ -11,8 +11,10 @@ and the outputs are written back into one ``[num_tokens, heads * head_dim]`` ten
 new K/V of every row is written to its slot in the cache first, so a chunk reads its own
 keys from the cache like the earlier ones.
 
-Backends, by name (``ATTENTION_BACKENDS``): ``torch`` (SDPA; CPU and CUDA) and
-``flash_attn`` (flash-attn's varlen/paged kernels; CUDA, block size a multiple of 256).
+Backends, by name (``ATTENTION_BACKENDS``): ``torch`` (SDPA over gathered K/V; CPU and
+CUDA), ``cpu_paged`` (decodes read the paged cache in place with a small C kernel,
+``paged_cpu.py``; prefill chunks as ``torch``) and ``flash_attn`` (flash-attn's
+varlen/paged kernels; CUDA, block size a multiple of 256).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from sarathi_pp.stages.paged_cpu import kernel_supports, load_kernel, paged_decode
 
 
 @dataclass
@@ -43,6 +47,7 @@ class AttentionMetadata:
     prefills: list[PrefillSlice]
     decode_blocks: torch.Tensor | None  # [num_decodes, max_blocks] padded block tables
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] True = attend
+    decode_lens: torch.Tensor | None = None  # [num_decodes] int64: keys per decode (pos + 1)
     # For flash-attn: block tables and lengths (built only when that backend is used).
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor | None = None  # [num_seqs] int32
@@ -175,6 +180,25 @@ def gather_blocks(
     return out.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, *cache.shape[1:])
 
 
+class CpuPagedAttention(TorchAttention):
+    """``torch``, except that decode rows read K/V from the paged cache where they lie
+    (``paged_cpu.paged_decode``) instead of gathering every context into a buffer first.
+
+    Prefill chunks keep gather + SDPA: a chunk copies its context once (O(context) bytes)
+    for O(chunk x context) multiply-adds that SDPA's blocked kernel does far faster than a
+    per-row loop would."""
+
+    name = "cpu_paged"
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if not kernel_supports(q, k_cache) or meta.decode_lens is None:
+            return super()._decode(q, k_cache, v_cache, meta)
+        assert meta.decode_blocks is not None
+        return paged_decode(
+            q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, meta.block_size, self.scale
+        )
+
+
 class FlashAttention(TorchAttention):
     """flash-attn's paged kernels on CUDA: varlen for prefill chunks (queries attend to the
     paged cache through the block table), ``flash_attn_with_kvcache`` for decodes."""
@@ -225,7 +249,11 @@ class FlashAttention(TorchAttention):
         return out.view(q.shape[0], -1)
 
 
-ATTENTION_BACKENDS = {"torch": TorchAttention, "flash_attn": FlashAttention}
+ATTENTION_BACKENDS = {
+    "torch": TorchAttention,
+    "cpu_paged": CpuPagedAttention,
+    "flash_attn": FlashAttention,
+}
 
 
 def flash_attn_available() -> bool:
@@ -236,9 +264,14 @@ def flash_attn_available() -> bool:
     return True
 
 
-def select_backend(device: torch.device, block_size: int) -> str:
-    """``flash_attn`` on CUDA when importable and the block size suits its paged kernels
-    (a multiple of 256); otherwise ``torch``."""
+def select_backend(device: torch.device, block_size: int, dtype: torch.dtype | None = None) -> str:
+    """On CPU ``cpu_paged`` for float32 when its kernel builds, else ``torch``. On CUDA
+    ``flash_attn`` when importable and the block size suits its paged kernels (a multiple
+    of 256), otherwise ``torch``."""
+    if device.type == "cpu":
+        if dtype in (None, torch.float32) and load_kernel() is not None:
+            return "cpu_paged"
+        return "torch"
     if device.type != "cuda" or block_size % 256 != 0 or not flash_attn_available():
         return "torch"
     return "flash_attn"

@@ -48,8 +48,9 @@ def _prefill_rows(
 def _decode_rows(
     chunks: list[ScheduledChunk], block_size: int, device: torch.device
 ) -> tuple[_Rows, torch.Tensor | None, torch.Tensor | None]:
-    """One row per decode over its padded paged context: the rows, the block tables
-    ``[num_decodes, max_blocks]`` and the mask ``[num_decodes, 1, 1, max_blocks * block_size]``."""
+    """One row per decode over its padded paged context: the rows (positions in
+    ``rows.positions[0]``), the block tables ``[num_decodes, max_blocks]`` and the mask
+    ``[num_decodes, 1, 1, max_blocks * block_size]``."""
     rows = _Rows()
     if not chunks:
         return rows, None, None
@@ -85,6 +86,7 @@ def build_metadata(
         prefills=prefills,
         decode_blocks=decode_blocks,
         decode_mask=decode_mask,
+        decode_lens=decode.positions[0] + 1 if decode.positions else None,
         block_size=block_size,
     )
     if backend == "flash_attn":

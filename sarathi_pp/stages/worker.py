@@ -106,7 +106,7 @@ class StageWorker:
             self.device,
         )
         self.block_size = block_size
-        self.backend = select_backend(self.device, block_size)
+        self.backend = select_backend(self.device, block_size, self.dtype)
         if self.backend != "torch":
             attention = ATTENTION_BACKENDS[self.backend](s.num_heads, s.num_kv_heads, s.head_dim)
             for layer in self.model.layers:

@@ -1,0 +1,142 @@
+"""Decode attention that reads the paged KV cache in place equals SDPA over the same K/V laid
+out contiguously: shuffled (non-contiguous) block tables, a partial last block, GQA, mixed
+context lengths, block sizes 1, 16 and 256; and a whole hybrid micro-batch through the
+``cpu_paged`` backend equals the ``torch`` backend. Without the kernel the backend falls
+back to ``torch``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
+from sarathi_pp.stages import paged_cpu
+from sarathi_pp.stages.attention import ATTENTION_BACKENDS, select_backend
+from sarathi_pp.stages.metadata import build_metadata
+
+needs_kernel = pytest.mark.skipif(
+    paged_cpu.load_kernel() is None, reason="no C compiler: the CPU paged kernel cannot build"
+)
+
+
+def paged_case(lens: list[int], block_size: int, heads: int, kv_heads: int, head_dim: int):
+    """A cache whose blocks are handed out in shuffled order, and each sequence's K/V."""
+    g = torch.Generator().manual_seed(block_size * 1000 + len(lens))
+    tables_needed = [-(-n // block_size) for n in lens]
+    num_blocks = sum(tables_needed) + 3  # a few blocks nobody owns
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=g)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(tables_needed)
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)
+    for i, n in enumerate(tables_needed):
+        tables[i, :n] = torch.tensor(order[:n])
+        order = order[n:]
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    return q, k_cache, v_cache, tables
+
+
+def reference(q, k_cache, v_cache, tables, lens, block_size):
+    """SDPA per sequence over its K/V copied out contiguously."""
+    outs = []
+    for i, n in enumerate(lens):
+        slots = (tables[i, :, None] * block_size + torch.arange(block_size)).flatten()[:n]
+        k = k_cache[slots].transpose(0, 1)[None]  # [1, kv_heads, n, d]
+        v = v_cache[slots].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(
+            q[i][None, :, None], k, v, scale=q.shape[-1] ** -0.5, enable_gqa=True
+        )
+        outs.append(o[0, :, 0])
+    return torch.stack(outs)
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(8, 2, 64), (4, 4, 128), (6, 3, 40)]
+)  # GQA; MHA; an odd head_dim (the generic loop)
+def test_paged_decode_equals_sdpa(block_size, heads, kv_heads, head_dim):
+    lens = [1, 17, 300, block_size, block_size + 1, 513]  # mixed, partial last blocks
+    q, k_cache, v_cache, tables = paged_case(lens, block_size, heads, kv_heads, head_dim)
+    lens_t = torch.tensor(lens)
+    out = paged_cpu.paged_decode(q, k_cache, v_cache, tables, lens_t, block_size, head_dim**-0.5)
+    ref = reference(q, k_cache, v_cache, tables, lens, block_size)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+@needs_kernel
+def test_paged_decode_one_thread_and_many_agree():
+    lens = [5, 40, 2, 90]
+    q, k_cache, v_cache, tables = paged_case(lens, 16, 4, 2, 64)
+    run = lambda: paged_cpu.paged_decode(  # noqa: E731
+        q, k_cache, v_cache, tables, torch.tensor(lens), 16, 0.125
+    )
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(3)
+        many = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)  # each sequence is computed whole by one thread
+
+
+def hybrid_microbatch(block_size: int) -> tuple[MicroBatch, int]:
+    """A prefill chunk over a cached prefix plus decodes of mixed lengths, shuffled tables."""
+    g = torch.Generator().manual_seed(7)
+    num_blocks = 64
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    chunks = []
+    for seq_id, (start, n, prefill) in enumerate(
+        [(20, 12, True), (0, 1, False), (33, 1, False), (47, 1, False)]
+    ):
+        need = -(-(start + n) // block_size)
+        table, order = tuple(order[:need]), order[need:]
+        tokens = tuple(range(n))
+        chunks.append(ScheduledChunk(seq_id, start, tokens, prefill, table))
+    return MicroBatch(1, tuple(chunks)), num_blocks
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_cpu_paged_backend_equals_torch_backend(block_size):
+    microbatch, num_blocks = hybrid_microbatch(block_size)
+    heads, kv_heads, d = 8, 2, 16
+    g = torch.Generator().manual_seed(1)
+    n = microbatch.num_tokens
+    q, k, v = (torch.randn(n, h, d, generator=g) for h in (heads, kv_heads, kv_heads))
+    outs = {}
+    for name in ("torch", "cpu_paged"):
+        torch.manual_seed(0)
+        k_cache = torch.randn(num_blocks * block_size, kv_heads, d, generator=g.manual_seed(2))
+        v_cache = torch.randn(num_blocks * block_size, kv_heads, d, generator=g.manual_seed(3))
+        _, meta = build_metadata(microbatch, block_size, torch.device("cpu"), name)
+        outs[name] = ATTENTION_BACKENDS[name](heads, kv_heads, d).forward(
+            q, k, v, k_cache, v_cache, meta
+        )
+    torch.testing.assert_close(outs["cpu_paged"], outs["torch"], atol=2e-6, rtol=1e-5)
+
+
+def test_without_the_kernel_cpu_falls_back_to_torch(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("SARATHI_PP_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    paged_cpu.load_kernel.cache_clear()
+    try:
+        assert paged_cpu.load_kernel() is None
+        assert "using gather + SDPA" in caplog.text
+        assert select_backend(torch.device("cpu"), 16, torch.float32) == "torch"
+        monkeypatch.setenv("SARATHI_PP_CPU_KERNEL", "0")
+        paged_cpu.load_kernel.cache_clear()
+        assert paged_cpu.load_kernel() is None
+    finally:
+        paged_cpu.load_kernel.cache_clear()
+    assert not list(tmp_path.iterdir())  # nothing half-built left behind
+
+
+@needs_kernel
+def test_select_backend_on_cpu():
+    cpu = torch.device("cpu")
+    assert select_backend(cpu, 16, torch.float32) == "cpu_paged"
+    assert select_backend(cpu, 16, torch.bfloat16) == "torch"  # the kernel is float32 only
