@@ -91,6 +91,11 @@ class EventLog:
         self._idle_since: tuple[float, str] | None = None
         self._chunk_size: int | None = None  # the last chunk_size recorded
 
+    @property
+    def open_idle(self) -> tuple[float, str] | None:
+        """The idle span going on (absolute start, reason): a record once it ends."""
+        return self._idle_since
+
     def stream_to(self, sink: IO[str]) -> None:
         """Write the records held so far to ``sink`` and every later one as it comes."""
         self._sink = sink

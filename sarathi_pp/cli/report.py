@@ -28,6 +28,13 @@ def add_parser(subparsers: Any) -> None:
         "--no-write", dest="write", action="store_false", help="only print; write no files"
     )
     p.add_argument("--no-plot", dest="plot", action="store_false", help="skip timeline.png")
+    p.add_argument(
+        "--interval",
+        metavar="START:END",
+        help="only print each stage's bubbles by class over [START, END] (seconds on the "
+        "run's clock, as `sarathi-pp serve`'s /metrics gives them; a negative START as "
+        "--interval=-30:30); writes no files",
+    )
     p.set_defaults(func=run)
 
 
@@ -41,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     from sarathi_pp.report.text import format_comparison, format_run
     from sarathi_pp.report.writer import analyze_run, write_files
 
+    if args.interval is not None:
+        return run_interval(args)
     with user_errors():
         reports = [analyze_run(d) for d in args.run_dirs]
     names = run_names(args.run_dirs)
@@ -52,4 +61,18 @@ def run(args: argparse.Namespace) -> int:
         print(format_run(names[0], reports[0].summary))
     else:
         print(format_comparison(names, [r.summary for r in reports]))
+    return 0
+
+
+def run_interval(args: argparse.Namespace) -> int:
+    from sarathi_pp.report.interval import format_interval, interval_bubbles, parse_interval
+    from sarathi_pp.report.log import load_log
+    from sarathi_pp.report.writer import check_run_dir
+    from sarathi_pp.run_dir import RunDir
+
+    with user_errors():
+        start, end = parse_interval(args.interval)
+        logs = [load_log(RunDir(check_run_dir(d)).events) for d in args.run_dirs]
+    for name, log in zip(run_names(args.run_dirs), logs, strict=True):
+        print(format_interval(name, interval_bubbles(log, start, end)))
     return 0

@@ -38,7 +38,7 @@ from sarathi_pp.planner.memory import engine_decode_batch, num_kv_blocks
 from sarathi_pp.run_dir import RunDir
 from sarathi_pp.sampling_params import SamplingParams
 from sarathi_pp.scheduler import Scheduler, create_scheduler
-from sarathi_pp.scheduler.base import IDLE_DEPENDENCY
+from sarathi_pp.scheduler.base import IDLE_DEPENDENCY, IDLE_NO_WORK
 from sarathi_pp.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -219,6 +219,8 @@ class LLMEngine(PipelineFaults):
         except BaseException as e:
             self._on_step_failure(e)  # re-raises unless a lost stage was replaced
             return self._take_aborted()
+        if not self.has_unfinished_requests():  # idle for want of work until the next request
+            self.recorder.idle(self.now(), IDLE_NO_WORK)
         return self._take_aborted() + outputs
 
     def _take_aborted(self) -> list[RequestOutput]:

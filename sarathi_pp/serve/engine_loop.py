@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from sarathi_pp.serve.bubble_window import BubbleWindow
 from sarathi_pp.serve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -49,16 +50,27 @@ class Sink:
 
 
 class _StageTimes:
-    """The engine's recorder, also handing each completed micro-batch's stage timings to the
-    metrics (the engine's own outputs carry no stage timings)."""
+    """The engine's recorder, also handing the loop's records to the metrics: each completed
+    micro-batch's stage timings, and every record to the bubble window (the engine's own
+    outputs carry no stage timings)."""
 
-    def __init__(self, recorder: Any, metrics: ServerMetrics) -> None:
+    def __init__(self, recorder: Any, metrics: ServerMetrics, window: BubbleWindow) -> None:
         self.recorder = recorder
         self.metrics = metrics
+        self.window = window
+
+    def idle(self, now: float, reason: str | None) -> None:
+        self.recorder.idle(now, reason)
+        self.window.idle(now, reason)
+
+    def issued(self, microbatch: Any, now: float) -> None:
+        self.recorder.issued(microbatch, now)
+        self.window.issued(microbatch, now)
 
     def completed(self, microbatch: Any, result: Any, now: float) -> None:
         self.recorder.completed(microbatch, result, now)
         self.metrics.stage_events(result.events)
+        self.window.completed(microbatch, result, now)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.recorder, name)
@@ -68,7 +80,12 @@ class EngineLoop:
     def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics or ServerMetrics()
-        engine.recorder = _StageTimes(engine.recorder, self.metrics)
+        # The run dir's clock when there is one, so /metrics' interval reads against it.
+        events = getattr(engine.recorder, "events", None)
+        t0 = events.t0 if events is not None else engine.now()
+        window = BubbleWindow(engine.config.parallel.pipeline_parallel_size, t0, engine.now)
+        self.metrics.watch_bubbles(window)
+        engine.recorder = _StageTimes(engine.recorder, self.metrics, window)
         self._commands: queue.Queue[tuple[Callable[[Any], Any], Future]] = queue.Queue()
         self._sinks: dict[str, Sink] = {}  # request id -> sink; engine thread only
         self._stop = threading.Event()

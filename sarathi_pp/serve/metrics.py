@@ -2,7 +2,9 @@
 in one process, as in the tests, never share or collide).
 
 Updated by the engine thread only: ``finished`` per finished request, ``engine_state``
-after every step (gauges read from the scheduler there, never from the HTTP thread).
+after every step (gauges read from the scheduler there, never from the HTTP thread). The
+bubble gauges (``bubble_window``) are computed at each scrape from the last minute's
+records.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from sarathi_pp.serve.bubble_window import BubbleCollector, BubbleWindow
 
 # Seconds; a tiny CPU model answers in milliseconds, a large one in tens of seconds.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -60,6 +64,10 @@ class ServerMetrics:
             "sarathi_pp_stage_microbatches", "Micro-batches each stage ran", ["stage"], registry=r
         )
         self._num_preemptions_seen = 0
+
+    def watch_bubbles(self, window: BubbleWindow) -> None:
+        """Export the pipeline's bubbles over the last minute, computed at each scrape."""
+        self.registry.register(BubbleCollector(window))
 
     def finished(self, out: Any) -> None:
         """One finished ``RequestOutput``."""

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +19,9 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from sarathi_pp import LLM, LLMEngine, SamplingParams, load_config  # noqa: E402
-from sarathi_pp.serve.server import build_server  # noqa: E402
+from serving import running_server  # noqa: E402
+
+from sarathi_pp import LLM, SamplingParams  # noqa: E402
 
 MODEL = "tiny"
 API_KEY = "test-key"
@@ -31,32 +30,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 GREEDY = {"temperature": 0.0}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def running_server(model_dir: Path, api_key: str | None = None, **overrides: Any) -> Iterator:
-    engine = LLMEngine(load_config(None, model=str(model_dir), **overrides))
-    server = build_server(engine, MODEL, "127.0.0.1", _free_port(), api_key, "warning")
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    server.base_url = f"http://127.0.0.1:{port}"
-    try:
-        yield server
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        assert not thread.is_alive()
 
 
 @pytest.fixture(scope="module")

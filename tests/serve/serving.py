@@ -1,0 +1,43 @@
+"""A live ``sarathi-pp serve`` app for the tests: uvicorn on 127.0.0.1 (a free port) in a
+background thread over an ``LLMEngine`` of the given model and config overrides."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sarathi_pp import LLMEngine, load_config
+from sarathi_pp.serve.server import build_server
+
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(model_dir: Path, api_key: str | None = None, **overrides: Any) -> Iterator:
+    engine = LLMEngine(load_config(None, model=str(model_dir), **overrides))
+    server = build_server(engine, MODEL, "127.0.0.1", free_port(), api_key, "warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    server.base_url = f"http://127.0.0.1:{port}"
+    try:
+        yield server
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive()
