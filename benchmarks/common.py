@@ -18,7 +18,8 @@ from collections.abc import Callable
 import torch
 
 from sarathi_pp.bench.workload import Workload, load_workload
-from sarathi_pp.model_spec import ModelSpec
+from sarathi_pp.microbatch import MicroBatch
+from sarathi_pp.model_spec import DTYPE_BYTES, ModelSpec
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -163,3 +164,45 @@ def matmul_gflops(m: int = 256, k: int = 1024, n: int = 2816, seconds: float = 1
             reps += 1
         best = max(best, 2 * m * k * n * reps / (time.perf_counter() - t0) / 1e9)
     return best
+
+
+# --- floors ----------------------------------------------------------------------------------
+# A step can go no faster than its FLOPs at the measured matmul rate (compute floor), nor than
+# the bytes it must move at the measured copy rate (bandwidth floor): the weights once, plus
+# every chunk's K/V context once. Both rates are measured in the same run as the step times.
+def copy_gbps(nbytes: int = 256 * 2**20, seconds: float = 1.0) -> float:
+    """The machine's best multi-threaded memory rate in GB/s, bytes read + written: ``copy_``
+    of ``nbytes`` (far above the caches) with torch's threads; the best of five bursts."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: page faults
+    best = 0.0
+    for _ in range(5):
+        reps, t0 = 0, time.perf_counter()
+        while reps < 2 or time.perf_counter() - t0 < seconds / 5:
+            dst.copy_(src)
+            reps += 1
+        best = max(best, 2 * nbytes * reps / (time.perf_counter() - t0) / 1e9)  # 2: read + write
+    return best
+
+
+def step_bytes(spec: ModelSpec, dtype: str, microbatch: MicroBatch) -> int:
+    """Bytes a step must read at least: every layer's weights once (the final norm and lm_head
+    when it samples) + each chunk's K/V over its whole context (``end`` tokens)."""
+    dtype_bytes = DTYPE_BYTES[dtype]
+    weights = spec.num_layers * spec.layer_params()
+    if any(c.do_sample for c in microbatch.chunks):
+        weights += spec.hidden_size + spec.embedding_params()  # norm + lm_head
+    kv = sum(c.end for c in microbatch.chunks) * spec.kv_bytes_per_token(spec.num_layers, dtype)
+    return weights * dtype_bytes + kv
+
+
+def microbatch_flops(spec: ModelSpec, microbatch: MicroBatch) -> int:
+    return sum(
+        chunk_flops(spec, c.start, c.num_tokens, int(c.do_sample)) for c in microbatch.chunks
+    )
+
+
+def floor_s(flops: int, nbytes: int, gflops: float, gbps: float) -> tuple[float, float]:
+    """(compute floor, bandwidth floor) in seconds."""
+    return flops / (gflops * 1e9), nbytes / (gbps * 1e9)

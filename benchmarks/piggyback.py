@@ -37,18 +37,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 
 from common import (  # noqa: E402
     add_threads_flag,
+    copy_gbps,
+    floor_s,
     is_busy,
     load_average,
     machine_line,
+    matmul_gflops,
     median,
+    microbatch_flops,
     parse_int_list,
     random_prompts,
     set_threads,
+    step_bytes,
     time_once,
 )
 
 from sarathi_pp import LLM, SamplingParams  # noqa: E402
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk  # noqa: E402
+from sarathi_pp.model_spec import ModelSpec  # noqa: E402
 from sarathi_pp.stages.worker import StageWorker  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -197,6 +203,43 @@ def print_table(t: dict[str, float], decode_counts: list[int]) -> None:
     )
 
 
+def print_floors(
+    t: dict[str, float],
+    microbatches: dict[str, MicroBatch],
+    spec: ModelSpec,
+    dtype: str,
+    rates: tuple[float, float],
+) -> None:
+    """Each step against its floors (``common.floor_s``): the compute floor at the matmul rate
+    and the bandwidth floor at the copy rate, both measured in this run."""
+    gflops, gbps = rates
+    print(
+        f"floors: matmul {gflops:.1f} GFLOP/s, copy {gbps:.1f} GB/s (read + write), "
+        "both measured in this run"
+    )
+    print(
+        f"{'step':<12} {'ms':>9} {'GFLOP':>7} {'compute':>8} {'MB read':>8} {'bandwidth':>10} "
+        f"{'step /':>7} {'of matmul':>10}"
+    )
+    print(
+        f"{'':<12} {'':>9} {'':>7} {'floor ms':>8} {'':>8} {'floor ms':>10} {'floor':>7} {'rate':>10}"
+    )
+    for name, microbatch in microbatches.items():
+        flops = microbatch_flops(spec, microbatch)
+        nbytes = step_bytes(spec, dtype, microbatch)
+        compute, bandwidth = floor_s(flops, nbytes, gflops, gbps)
+        step = t[name]
+        print(
+            f"{name:<12} {step * 1e3:>9.2f} {flops / 1e9:>7.2f} {compute * 1e3:>8.2f} "
+            f"{nbytes / 1e6:>8.0f} {bandwidth * 1e3:>10.2f} {step / max(compute, bandwidth):>6.2f}x "
+            f"{compute / step:>10.1%}"
+        )
+    print(
+        "step / floor = step time over the larger floor (1.00x: at the floor); of matmul rate = "
+        "the step's FLOP/s over the matmul rate."
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     num_threads = set_threads(args.threads)
@@ -215,9 +258,13 @@ def main(argv: list[str] | None = None) -> None:
         f"median of {args.repeats} runs after {args.warmup} warm-up"
     )
     work = build_workload(worker, args, engine.block_size)
-    times = measure(worker, make_microbatches(work, args.decodes), args.warmup, args.repeats)
+    rates = (matmul_gflops(), copy_gbps())
+    microbatches = make_microbatches(work, args.decodes)
+    times = measure(worker, microbatches, args.warmup, args.repeats)
+    print(f"attention backend: {worker.backend}")
     print(f"prefill-only: {times['prefill'] / args.chunk_size * 1e3:.3f} ms per prefill token")
     print_table(times, args.decodes)
+    print_floors(times, microbatches, engine.spec, worker.stage.dtype, rates)
     busy = " (busy: above the CPU count, rerun on a quiet machine)" if is_busy() else ""
     print(f"load avg (1 min) at the end: {load_average()}{busy}")
     llm.shutdown()

@@ -50,13 +50,17 @@ import torch  # noqa: E402
 from common import (  # noqa: E402
     add_threads_flag,
     chunk_flops,
+    copy_gbps,
+    floor_s,
     is_busy,
     load_args_workload,
     load_average,
     machine_line,
     matmul_gflops,
+    microbatch_flops,
     random_prompts,
     set_threads,
+    step_bytes,
 )
 
 from sarathi_pp import LLM, SamplingParams  # noqa: E402
@@ -98,6 +102,7 @@ class StepTotals:
 
     step_s: dict[str, float] = field(default_factory=dict)
     step_flops: dict[str, int] = field(default_factory=dict)
+    step_bytes: dict[str, int] = field(default_factory=dict)  # common.step_bytes, summed
     num_steps: dict[str, int] = field(default_factory=dict)
 
 
@@ -121,12 +126,6 @@ def from_outputs(name: str, outputs: list[RequestOutput]) -> RunResult:
     return RunResult(name, span, tokens, num_failed=sum(o.error is not None for o in outputs))
 
 
-def plan_flops(spec: ModelSpec, microbatch: MicroBatch) -> int:
-    return sum(
-        chunk_flops(spec, c.start, c.num_tokens, int(c.do_sample)) for c in microbatch.chunks
-    )
-
-
 def workload_flops(spec: ModelSpec, requests: list[BenchRequest]) -> int:
     """Useful FLOPs: each request feeds its prompt then all but its last generated token
     (prompt + output - 1 tokens at positions 0..), and samples ``output_tokens`` rows."""
@@ -148,7 +147,8 @@ def build_llm(args: argparse.Namespace) -> LLM:
 
 def time_steps(worker, spec: ModelSpec, totals: StepTotals) -> None:
     """Wrap ``worker.execute`` (an instance attribute, this LLM only) to add each step's
-    seconds and FLOPs to ``totals``, keyed by the micro-batch's kind."""
+    seconds, FLOPs and floor bytes to ``totals``, keyed by the micro-batch's kind."""
+    dtype = worker.stage.dtype
     execute = worker.execute
 
     def timed(microbatch: MicroBatch, *rest):
@@ -156,7 +156,11 @@ def time_steps(worker, spec: ModelSpec, totals: StepTotals) -> None:
         out = execute(microbatch, *rest)
         kind = microbatch.kind
         totals.step_s[kind] = totals.step_s.get(kind, 0.0) + time.perf_counter() - t0
-        totals.step_flops[kind] = totals.step_flops.get(kind, 0) + plan_flops(spec, microbatch)
+        totals.step_flops[kind] = totals.step_flops.get(kind, 0) + microbatch_flops(
+            spec, microbatch
+        )
+        nbytes = step_bytes(spec, dtype, microbatch)
+        totals.step_bytes[kind] = totals.step_bytes.get(kind, 0) + nbytes
         totals.num_steps[kind] = totals.num_steps.get(kind, 0) + 1
         return out
 
@@ -238,10 +242,15 @@ def print_flops(runs: list[RunResult], total_flops: int, rates: list[float]) -> 
     return peak_gflops
 
 
-def print_step_breakdown(ours: RunResult, peak_gflops: float) -> None:
-    """Our FLOP/s by kind of step, and the time spent outside ``StageWorker.execute``."""
+def print_step_breakdown(ours: RunResult, peak_gflops: float, gbps: float) -> None:
+    """Our FLOP/s by kind of step against both floors (``common.floor_s``; ``gbps``: the copy
+    rate measured in this run), and the time spent outside ``StageWorker.execute``."""
     print(
-        f"{'sarathi-pp steps':<16} {'steps':>6} {'time s':>8} {'GFLOP':>8} {'GFLOP/s':>8} {'of peak':>8}"
+        f"{'sarathi-pp steps':<16} {'steps':>6} {'time s':>8} {'GFLOP':>8} {'GFLOP/s':>8} "
+        f"{'of peak':>8} {'compute':>8} {'bandwidth':>9} {'time /':>7}"
+    )
+    print(
+        f"{'':<16} {'':>6} {'':>8} {'':>8} {'':>8} {'':>8} {'floor s':>8} {'floor s':>9} {'floor':>7}"
     )
     steps = ours.steps
     for kind in ("prefill", "hybrid", "decode"):
@@ -250,8 +259,10 @@ def print_step_breakdown(ours: RunResult, peak_gflops: float) -> None:
             continue
         secs, flops = steps.step_s[kind], steps.step_flops[kind]
         rate = flops / secs / 1e9
+        compute, bandwidth = floor_s(flops, steps.step_bytes[kind], peak_gflops, gbps)
         print(
-            f"{kind:<16} {n:>6} {secs:>8.2f} {flops / 1e9:>8.0f} {rate:>8.1f} {rate / peak_gflops:>8.1%}"
+            f"{kind:<16} {n:>6} {secs:>8.2f} {flops / 1e9:>8.0f} {rate:>8.1f} {rate / peak_gflops:>8.1%} "
+            f"{compute:>8.2f} {bandwidth:>9.2f} {secs / max(compute, bandwidth):>6.2f}x"
         )
     in_steps = sum(steps.step_s.values())
     print(
@@ -290,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     workload = load_args_workload(args, WORKLOAD, QUICK_WORKLOAD)
     print(machine_line(set_threads(args.threads)))
-    rate_before = matmul_gflops()
+    rate_before, copy_before = matmul_gflops(), copy_gbps()
     llm = build_llm(args)
     num_threads = torch.get_num_threads()  # what our engine runs with (the config may set it)
     requests = workload_requests(llm, workload)
@@ -309,9 +320,17 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_hf:
         runs.append(run_peer(args, model_dir, dtype, requests, num_threads))
     rates = [rate_before, matmul_gflops()]
+    gbps = max(copy_before, copy_gbps())
     print_throughput(runs)
-    peak = print_flops(runs, workload_flops(spec, requests), rates)
-    print_step_breakdown(ours, peak)
+    total_flops = workload_flops(spec, requests)
+    peak = print_flops(runs, total_flops, rates)
+    floor = total_flops / (peak * 1e9)
+    print(
+        f"compute floor of the workload: {floor:.1f} s (its FLOPs at the peak); ours "
+        f"{ours.span_s / floor:.2f}x it; copy rate {copy_before:.1f} GB/s before the runs, "
+        f"best {gbps:.1f} (read + write)"
+    )
+    print_step_breakdown(ours, peak, gbps)
     if not args.skip_hf:
         print_agreement(ours, runs[1])
     busy = " (busy: above the CPU count, rerun on a quiet machine)" if is_busy() else ""
