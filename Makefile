@@ -15,7 +15,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: venv demo bench test lint
+.PHONY: venv demo bench serve-bench test lint
 
 venv: $(STAMP)
 
@@ -48,6 +48,12 @@ demo: venv
 bench: venv
 	$(VENV)/bin/sarathi-pp bench --config configs/tiny-llama.yaml \
 		--workload configs/workloads/mixed.yaml --peer hf --run-dir runs/bench --overwrite
+
+# A load test of `sarathi-pp serve` (locust, headless): 8 users streaming chat completions
+# from SmolLM2 for 60 s; client-side requests/s, TTFT, TBT, checked against the server's
+# /metrics. `python benchmarks/serve_load.py --help` for the knobs (--pp 2, --users, ...).
+serve-bench: venv
+	$(PY) benchmarks/serve_load.py
 
 test: venv
 	$(PY) -m pytest -q
