@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from sarathi_pp.model_spec import ModelSpec
 from sarathi_pp.stages.attention import ATTENTION_BACKENDS, AttentionMetadata
 from sarathi_pp.stages.kv_cache import KVCache
+from sarathi_pp.stages.linear import Linear
 from sarathi_pp.stages.rope import RotaryEmbedding, apply_rotary
 from sarathi_pp.stages.weights import EMBED, LM_HEAD, NORM, load_tensors, stage_tensor_names
 
@@ -31,21 +32,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class DecoderLayer:
     def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], prefix: str, attention) -> None:
         g = lambda k: w[f"{prefix}.{k}"]  # noqa: E731
-        self.qkv = torch.cat(
-            [
-                g("self_attn.q_proj.weight"),
-                g("self_attn.k_proj.weight"),
-                g("self_attn.v_proj.weight"),
-            ]
-        )
-        self.qkv_bias = None
+        qkv_bias = None
         if spec.attention_bias:
-            self.qkv_bias = torch.cat(
+            qkv_bias = torch.cat(
                 [g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"), g("self_attn.v_proj.bias")]
             )
-        self.o = g("self_attn.o_proj.weight")
-        self.gate_up = torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")])
-        self.down = g("mlp.down_proj.weight")
+        qkv = [g(f"self_attn.{p}_proj.weight") for p in "qkv"]
+        self.qkv = Linear(torch.cat(qkv), qkv_bias)
+        self.o = Linear(g("self_attn.o_proj.weight"))
+        self.gate_up = Linear(torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]))
+        self.down = Linear(g("mlp.down_proj.weight"))
         self.ln1 = g("input_layernorm.weight")
         self.ln2 = g("post_attention_layernorm.weight")
         self.eps = spec.rms_norm_eps
@@ -57,17 +53,17 @@ class DecoderLayer:
     def __call__(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         # x: [num_tokens, hidden]
         h = rms_norm(x, self.ln1, self.eps)
-        qkv = F.linear(h, self.qkv, self.qkv_bias)  # [num_tokens, q_dim + 2 * kv_dim]
+        qkv = self.qkv(h)  # [num_tokens, q_dim + 2 * kv_dim]
         q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         n = x.shape[0]
         q = apply_rotary(q.view(n, -1, self.head_dim), cos, sin)
         k = apply_rotary(k.view(n, -1, self.head_dim), cos, sin)
         v = v.reshape(n, -1, self.head_dim)
         attn = self.attention.forward(q, k, v, k_cache, v_cache, meta)
-        x = x + F.linear(attn, self.o)
+        x = x + self.o(attn)
         h = rms_norm(x, self.ln2, self.eps)
-        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
 
 
 class StageModel:
@@ -113,9 +109,12 @@ class StageModel:
         ts = [self.embed, self.norm]
         if self.lm_head is not self.embed:
             ts.append(self.lm_head)
+        linears = [lin for lyr in self.layers for lin in (lyr.qkv, lyr.o, lyr.gate_up, lyr.down)]
         for lyr in self.layers:
-            ts += [lyr.qkv, lyr.qkv_bias, lyr.o, lyr.gate_up, lyr.down, lyr.ln1, lyr.ln2]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+            ts += [lyr.qkv.bias, lyr.ln1, lyr.ln2]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None) + sum(
+            lin.nbytes for lin in linears
+        )
 
     def forward(self, inputs: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
         """``inputs``: token ids ``[num_tokens]`` on the first stage, else hidden states
