@@ -123,7 +123,16 @@ class EventLog:
             self.flush()
 
     def stage(self, e: StageEvent) -> None:
-        self._add({"type": "stage", **asdict(e.shifted(self.t0))})
+        t0 = self.t0  # by hand, not asdict + shifted: one record per stage per micro-batch
+        self._add(
+            {
+                "type": "stage", "stage": e.stage, "mb": e.mb, "kind": e.kind,
+                "num_prefill_tokens": e.num_prefill_tokens,
+                "num_decode_tokens": e.num_decode_tokens, "wait_start": e.wait_start - t0,
+                "input_ready": e.input_ready - t0, "compute_start": e.compute_start - t0,
+                "compute_end": e.compute_end - t0, "send_end": e.send_end - t0,
+            }
+        )  # fmt: skip
 
     def issue(self, mb: int, t: float, kind: str, num_prefill: int, num_decode: int) -> None:
         self.end_idle(t)

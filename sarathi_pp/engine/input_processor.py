@@ -132,6 +132,9 @@ def as_token_ids(values: Iterable[Any], where: str) -> list[int]:
         raise ValueError(f"{where}: token ids must be a list of integers, got {values!r}")
     token_ids = []
     for idx, t in enumerate(values):
+        if type(t) is int:  # the common case, without the (slow) ABC check below
+            token_ids.append(t)
+            continue
         # bool is an Integral; numpy's bool_ is not.
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
             raise ValueError(

@@ -14,6 +14,7 @@ from sarathi_pp.report.log import RunLog, load_log
 from sarathi_pp.report.request_metrics import load_requests
 from sarathi_pp.report.summary import build_summary
 from sarathi_pp.report.trace import build_trace
+from sarathi_pp.report.window import MAX_DRAWN_MICROBATCHES, head_window
 from sarathi_pp.run_dir import RunDir
 
 
@@ -49,12 +50,17 @@ def write_files(report: RunReport, plot: bool = True) -> list[Path]:
     d = RunDir(report.run_dir)
     written = [d.summary, d.trace]
     d.summary.write_text(json.dumps(report.summary, indent=2, allow_nan=False) + "\n")
-    d.trace.write_text(json.dumps(build_trace(report.log, report.analysis)))
+    log, analysis, title = report.log, report.analysis, timeline_title(report)
+    window = head_window(log)  # a long run: the pictures show its start
+    if window is not None:
+        log, analysis = window, analyze(window)
+        title += f"; drawn: the first {MAX_DRAWN_MICROBATCHES} micro-batches"
+    d.trace.write_text(json.dumps(build_trace(log, analysis)))
     if plot:
         try:
             from sarathi_pp.report.timeline import draw_timeline
 
-            draw_timeline(report.log, report.analysis, d.timeline, title=timeline_title(report))
+            draw_timeline(log, analysis, d.timeline, title=title)
             written.append(d.timeline)
         except ImportError:
             warnings.warn(

@@ -128,8 +128,8 @@ def layer_ops(shape: LayerShape, rows: Rows, tile: int, tp: int, hw: Hardware) -
         _gemm("o", n, npad, s.q_dim, h, b),
         _gemm("gate_up", n, npad, h, 2 * s.inter, b),
         _gemm("down", n, npad, s.inter, h, b),
-        _attn_prefill(s, rows),
-        _attn_decode(s, rows),
+        attn_prefill(s, rows),
+        attn_decode(s, rows),
         Op("norms", 2 * 5.0 * n * h, float(2 * 2 * n * h * b)),  # 2 norms: read + write
         Op("act", 3.0 * n * s.inter, float(3 * n * s.inter * b)),  # read gate, up; write
         Op("residual", 2.0 * n * h, float(2 * 3 * n * h * b)),  # 2 adds: 2 reads + 1 write
@@ -140,7 +140,7 @@ def layer_ops(shape: LayerShape, rows: Rows, tile: int, tp: int, hw: Hardware) -
     return ops
 
 
-def _attn_prefill(s: LayerShape, rows: Rows) -> Op:
+def attn_prefill(s: LayerShape, rows: Rows) -> Op:
     flops = 0.0
     nbytes = 0
     for k, c in rows.prefills:
@@ -150,7 +150,7 @@ def _attn_prefill(s: LayerShape, rows: Rows) -> Op:
     return Op("attn_prefill", flops, float(nbytes * s.dtype_bytes))
 
 
-def _attn_decode(s: LayerShape, rows: Rows) -> Op:
+def attn_decode(s: LayerShape, rows: Rows) -> Op:
     ctx = sum(rows.decodes) + len(rows.decodes)  # each decode attends to k + 1 tokens
     flops = 4.0 * s.head_dim * s.num_heads * ctx
     nbytes = ctx * 2 * s.kv_dim + len(rows.decodes) * (2 * s.q_dim + 2 * s.kv_dim)

@@ -18,6 +18,8 @@ from sarathi_pp.model_spec import ModelSpec
 from sarathi_pp.sim.analytic import (
     LayerShape,
     Rows,
+    attn_decode,
+    attn_prefill,
     embed_ops,
     head_ops,
     layer_ops,
@@ -61,6 +63,7 @@ class AnalyticCostModel:
         self.shape = LayerShape.of(spec, tp, dtype)
         self.num_layers = tuple(end - start for start, end in layer_ranges)
         self.num_stages = len(layer_ranges)
+        self._by_rows: dict[int, float] = {}
 
     def describe(self) -> str:
         return (
@@ -70,8 +73,17 @@ class AnalyticCostModel:
         )
 
     def layer_seconds(self, rows: Rows) -> float:
-        ops = layer_ops(self.shape, rows, self.hw.matmul_tile, self.tp, self.hw)
-        return sum(op_seconds(op, self.hw) for op in ops)
+        """One layer's time: the operators that depend only on the row count (GEMMs, norms,
+        all-reduces) are cached by it; attention depends on every context."""
+        n = rows.num_rows
+        fixed = self._by_rows.get(n)
+        if fixed is None:
+            flat = Rows(((0, n),), (), 0)  # attention aside, only the row count matters
+            ops = layer_ops(self.shape, flat, self.hw.matmul_tile, self.tp, self.hw)
+            fixed = sum(op_seconds(op, self.hw) for op in ops if not op.name.startswith("attn"))
+            self._by_rows[n] = fixed
+        attn = (attn_prefill(self.shape, rows), attn_decode(self.shape, rows))
+        return fixed + sum(op_seconds(op, self.hw) for op in attn)
 
     def costs(self, microbatch: MicroBatch) -> MicrobatchCost:
         rows = Rows.of(microbatch)

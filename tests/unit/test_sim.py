@@ -289,3 +289,52 @@ def test_simulate_cli_end_to_end(model_dir: Path, tmp_path: Path, capsys):
     for policy in ("sarathi", "orca"):
         assert summary_of(out / policy)["requests"]["num_generated_tokens"] == 30
         assert main(["report", str(out / policy)]) == 0
+
+
+def test_pictures_of_a_long_run_show_a_window(model_dir: Path, tmp_path: Path):
+    from sarathi_pp.report.window import head_window
+
+    cluster = _cluster(model_dir, pp=2)
+    cluster.serve_run(_requests(4), tmp_path / "run")
+    log = load_log(tmp_path / "run" / "events.jsonl")
+    assert head_window(log, log.num_microbatches) is None  # short enough: drawn whole
+    w = head_window(log, 3)
+    assert w is not None and [len(s) for s in w.stages] == [3, 3]
+    assert {i.mb for i in w.issues} == {e.mb for e in w.stages[0]}
+    end = max(e.send_end for e in w.stages[1])
+    assert all(i.end <= end for i in w.idles)
+
+
+# --- the profiled model --------------------------------------------------------------------
+def test_profiled_fit_recovers_a_linear_cost(tmp_path: Path):
+    from sarathi_pp.planner.profile_csv import ProfileRow, write_profile
+    from sarathi_pp.sim.profiled import ProfiledCostModel, row_features
+
+    true = [2e-3, 1e-5, 3e-5, 1e-9, 2e-8]
+    grid = [(p, d, k) for p in (0, 64, 128, 256) for d in (0, 8, 16) for k in (0, 256, 512)]
+    rows = [
+        ProfileRow(
+            0, p, d, k, sum(c * x for c, x in zip(true, row_features(p, d, k))), num_layers=4
+        )
+        for p, d, k in grid
+        if p + d > 0
+    ]
+    write_profile(tmp_path / "p.csv", rows)
+    model = ProfiledCostModel.from_csv(tmp_path / "p.csv", ((0, 4), (4, 6)))
+    assert model.coef == pytest.approx(true, rel=1e-6)
+    chunk = ScheduledChunk(0, 100, tuple(range(50)), True, (0,), None, 0)
+    cost = model.costs(MicroBatch(0, (chunk,)))
+    expected = model.seconds(row_features(50, 0, 100))
+    assert cost.compute_s == pytest.approx((expected, expected / 2))  # 4 and 2 layers
+
+
+def test_profiled_fit_drops_negative_terms(tmp_path: Path):
+    from sarathi_pp.planner.profile_csv import ProfileRow
+    from sarathi_pp.sim.profiled import fit
+
+    # time falls with decodes (noise): the decode term is dropped, not negative
+    rows = [
+        ProfileRow(0, p, d, 0, 1e-3 + 1e-5 * p - 1e-7 * d) for p in (16, 64, 256) for d in (0, 8)
+    ]
+    coef = fit(rows)
+    assert all(c >= 0 for c in coef) and coef[2] == 0.0
