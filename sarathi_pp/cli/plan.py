@@ -19,6 +19,7 @@ from typing import Any
 
 from sarathi_pp.checkpoint import load_checkpoint
 from sarathi_pp.cli.common import add_engine_args, config_from_args, user_errors
+from sarathi_pp.cli.plan_simulate import add_simulate_args, run_simulated
 from sarathi_pp.placement import resolve_placement
 from sarathi_pp.planner.chunk import pd_ratio_of
 from sarathi_pp.planner.recommend import WorkloadInfo, make_plan
@@ -58,10 +59,13 @@ def add_parser(subparsers: Any) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object instead")
     g.add_argument("--output", metavar="FILE", help="write the YAML snippet there")
+    add_simulate_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.simulate:
+        return run_simulated(args)
     from sarathi_pp.stages.device import probe_resources  # torch: once the flags are good
 
     with user_errors():

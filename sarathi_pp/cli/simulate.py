@@ -55,6 +55,8 @@ def add_parser(subparsers: Any) -> None:
                    help="driver -> stage 0 per micro-batch (default 0)")  # fmt: skip
     g.add_argument("--return-s", type=float, metavar="S",
                    help="last stage -> driver (default: the link's latency)")  # fmt: skip
+    g.add_argument("--send-s", type=float, default=0.0, metavar="S",
+                   help="added to every stage-to-stage send (default 0)")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -70,7 +72,7 @@ def setup_from_args(args: argparse.Namespace) -> Any:
         replicas=args.replicas,
         routing=args.routing,
         pp_link=args.pp_link,
-        overheads=Overheads(args.driver_s, args.dispatch_s, args.return_s),
+        overheads=Overheads(args.driver_s, args.dispatch_s, args.return_s, args.send_s),
     )
 
 

@@ -36,9 +36,10 @@ class Overheads:
     driver_s: float = 0.0  # scheduling + output processing on the driver (serial)
     dispatch_s: float = 0.0  # driver -> stage 0
     return_s: float | None = None  # last stage -> driver; None: the cost model's figure
+    send_s: float = 0.0  # added to every stage-to-stage send (a runtime's own cost)
 
     def __post_init__(self) -> None:
-        for name in ("driver_s", "dispatch_s", "return_s"):
+        for name in ("driver_s", "dispatch_s", "return_s", "send_s"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and v >= 0):
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
@@ -96,7 +97,7 @@ class SimExecutor:
                            mb.num_decode_tokens, self._free[s], ready, start, end, end)
             )  # fmt: skip
             self._free[s] = end
-            ready = end + cost.send_s[s]
+            ready = end + cost.send_s[s] + o.send_s
         back = cost.return_s if o.return_s is None else o.return_s
         self._inflight.append((mb, events[-1].compute_end + back, events))
 

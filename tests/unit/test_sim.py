@@ -338,3 +338,48 @@ def test_profiled_fit_drops_negative_terms(tmp_path: Path):
     ]
     coef = fit(rows)
     assert all(c >= 0 for c in coef) and coef[2] == 0.0
+
+
+# --- planning and capacity on the simulator ------------------------------------------------
+def test_chunk_search_trades_throughput_for_tbt(model_dir: Path):
+    from sarathi_pp.sim.chunk_search import search_chunk_size
+
+    w = workload_from_dict({"num_requests": 6, "prompt_tokens": 1500, "output_tokens": 8})
+    config = make_config(model=str(model_dir))
+    setup = SimSetup(hardware=hardware_from_dict(HW, "toy"))
+    loose = search_chunk_size(config, w, setup, 10.0, (128, 1024))
+    small, big = loose.probes
+    assert small.tbt_p99_s < big.tbt_p99_s and small.tokens_per_s < big.tokens_per_s
+    assert loose.best.chunk_size == 1024  # both meet a loose SLO: the faster one
+    tight = search_chunk_size(config, w, setup, (small.tbt_p99_s + big.tbt_p99_s) / 2, (128, 1024))
+    assert tight.best.chunk_size == 128
+    none = search_chunk_size(config, w, setup, small.tbt_p99_s / 10, (128,))
+    assert none.best is None and "no chunk size meets" in none.lines()[-1]
+
+
+def test_plan_simulate_cli(model_dir: Path, tmp_path: Path, capsys):
+    from sarathi_pp.cli import main
+
+    w = tmp_path / "w.yaml"
+    w.write_text("num_requests: 4\nprompt_tokens: 600\noutput_tokens: 4\n")
+    rc = main(["plan", "--simulate", "--model", str(model_dir), "--hardware",
+               str(HW_DIR / "h100.yaml"), "--workload", str(w), "--slo-tbt-p99", "1",
+               "--chunk-sizes", "128,512"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0 and "chunk_size: 512" in out
+    with pytest.raises(SystemExit):
+        main(["plan", "--simulate", "--model", str(model_dir), "--hardware", "h100"])
+    assert "needs --workload" in capsys.readouterr().err
+
+
+def test_simulate_capacity(model_dir: Path, tmp_path: Path, capsys):
+    from sarathi_pp.cli import main
+
+    w = tmp_path / "w.yaml"
+    w.write_text("num_requests: 8\nprompt_tokens: 200\noutput_tokens: 6\n")
+    rc = main(["simulate", "--model", str(model_dir), "--hardware", str(HW_DIR / "a6000.yaml"),
+               "--workload", str(w), "--capacity", "--slo-tbt-p99", "1", "--max-probes", "3",
+               "--start-rate", "1", "--run-dir", str(tmp_path / "cap"), "--no-progress"])  # fmt: skip
+    assert rc == 0
+    cap = json.loads((tmp_path / "cap" / "sarathi" / "capacity.json").read_text())
+    assert len(cap["probes"]) == 3 and cap["capacity_rps"] == 4.0  # 1, 2, 4 req/s all met
