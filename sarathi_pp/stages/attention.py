@@ -13,18 +13,23 @@ keys from the cache like the earlier ones.
 
 Backends, by name (``ATTENTION_BACKENDS``): ``torch`` (SDPA over gathered K/V; CPU and
 CUDA), ``cpu_paged`` (decodes read the paged cache in place with a small C kernel,
-``paged_cpu.py``; prefill chunks as ``torch``) and ``flash_attn`` (flash-attn's
-varlen/paged kernels; CUDA, block size a multiple of 256).
+``paged_cpu.py``; prefill chunks as ``torch``), ``flex_paged`` (the same on CUDA with
+FlexAttention, ``flex_paged.py``; block size a multiple of 16) and ``flash_attn``
+(flash-attn's varlen/paged kernels; CUDA, block size a multiple of 256).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from sarathi_pp.stages.flex_paged import flex_block_size_ok, flex_paged_decode
 from sarathi_pp.stages.paged_cpu import kernel_supports, load_kernel, paged_decode
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -199,6 +204,32 @@ class CpuPagedAttention(TorchAttention):
         )
 
 
+class FlexPagedAttention(TorchAttention):
+    """``torch``, except that decode rows read the paged cache in place with FlexAttention
+    (``flex_paged.flex_paged_decode``; compiled on CUDA)."""
+
+    name = "flex_paged"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        self.failed: str | None = None  # why FlexAttention failed here; then gather + SDPA
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        assert meta.decode_blocks is not None and meta.decode_lens is not None
+        if self.failed is None:
+            try:
+                return flex_paged_decode(
+                    q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens,
+                    meta.block_size, self.scale,
+                )  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - a compiler failure must not fail requests
+                self.failed = f"{type(e).__name__}: {str(e)[:300]}"
+                log.warning(
+                    "FlexAttention paged decode failed, using gather + SDPA: %s", self.failed
+                )
+        return super()._decode(q, k_cache, v_cache, meta)
+
+
 class FlashAttention(TorchAttention):
     """flash-attn's paged kernels on CUDA: varlen for prefill chunks (queries attend to the
     paged cache through the block table), ``flash_attn_with_kvcache`` for decodes."""
@@ -252,6 +283,7 @@ class FlashAttention(TorchAttention):
 ATTENTION_BACKENDS = {
     "torch": TorchAttention,
     "cpu_paged": CpuPagedAttention,
+    "flex_paged": FlexPagedAttention,
     "flash_attn": FlashAttention,
 }
 
@@ -267,11 +299,24 @@ def flash_attn_available() -> bool:
 def select_backend(device: torch.device, block_size: int, dtype: torch.dtype | None = None) -> str:
     """On CPU ``cpu_paged`` for float32 when its kernel builds, else ``torch``. On CUDA
     ``flash_attn`` when importable and the block size suits its paged kernels (a multiple
-    of 256), otherwise ``torch``."""
+    of 256), else ``flex_paged`` when FlexAttention takes the block size (a multiple of 16),
+    else ``torch``."""
     if device.type == "cpu":
         if dtype in (None, torch.float32) and load_kernel() is not None:
             return "cpu_paged"
         return "torch"
-    if device.type != "cuda" or block_size % 256 != 0 or not flash_attn_available():
+    if device.type != "cuda":
         return "torch"
-    return "flash_attn"
+    if block_size % 256 == 0 and flash_attn_available():
+        return "flash_attn"
+    if flex_block_size_ok(block_size) and flex_available():
+        return "flex_paged"
+    return "torch"
+
+
+def flex_available() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import BlockMask  # noqa: F401
+    except ImportError:
+        return False
+    return True
