@@ -1,0 +1,303 @@
+"""GPU figures on 7B layer shapes, one run, weights generated on the device (nothing loaded).
+
+Decoder layers of Llama-2-7B's shape (hidden 4096, 32 heads of 128, MLP 11008; ``--layers``
+of them, default 4) run through the engine's own code (``DecoderLayer``, the attention
+backend ``select_backend`` picks, ``build_metadata`` on hand-made micro-batches, the paged
+``KVCache``), and this prints:
+
+* the bf16 matmul rate measured here (the best of a few large GEMMs): the peak for MFU;
+* prefill MFU: one prompt chunk of 512-4096 tokens, layer FLOPs / time / matmul rate;
+* a tile-quantization curve: time per token of chunks around multiples of 128 rows;
+* the piggyback ratio (SARATHI's section 4.2): a decode token's cost in a hybrid step
+  ((hybrid - prefill-only) / N) over its cost in a decode-only step (decode-only / N);
+* decode-only steps without and with a CUDA graph (the layers' forward captured once);
+* the control plane's L per micro-batch: the embedded model's engine on this device, the
+  time per step outside ``StageWorker.execute`` (scheduling, metadata, sampling return).
+
+``--device cpu --tiny`` runs every part on tiny shapes on CPU (no CUDA graph): the smoke
+mode that tests/model/test_gpu_checks.py runs so the script cannot rot. Run from the
+repository root: ``PYTHONPATH=. python benchmarks/gpu_checks.py`` (tests/gpu/run_checks.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import time
+from collections.abc import Callable
+
+import torch
+
+from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
+from sarathi_pp.model_spec import spec_from_dict
+from sarathi_pp.stages.attention import ATTENTION_BACKENDS, select_backend
+from sarathi_pp.stages.kv_cache import KVCache
+from sarathi_pp.stages.metadata import build_metadata
+from sarathi_pp.stages.model import DecoderLayer
+from sarathi_pp.stages.rope import RotaryEmbedding
+
+LLAMA_7B = {
+    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+}  # fmt: skip
+TINY = {**LLAMA_7B, "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 300}  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tiny)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes: checks the script")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (2-4 fit 5 minutes)")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per figure (median)")
+    args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("error: no CUDA device (use --device cpu --tiny for the smoke mode)")
+    return args
+
+
+class Layers:
+    """``num_layers`` decoder layers with random weights on ``device`` and a paged KV cache."""
+
+    def __init__(self, cfg: dict, num_layers: int, block_size: int, device, dtype, blocks: int):
+        self.spec = spec = spec_from_dict({**cfg, "num_hidden_layers": num_layers})
+        self.device, self.dtype, self.block_size = device, dtype, block_size
+        self.backend = select_backend(device, block_size, dtype)
+        attention = ATTENTION_BACKENDS[self.backend](
+            spec.num_heads, spec.num_kv_heads, spec.head_dim
+        )
+        h, q, kv, inter = (spec.hidden_size, spec.num_heads * spec.head_dim,
+                           spec.num_kv_heads * spec.head_dim, spec.intermediate_size)  # fmt: skip
+        shapes = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                  "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+                  "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+                  "mlp.down_proj.weight": (h, inter), "input_layernorm.weight": (h,),
+                  "post_attention_layernorm.weight": (h,)}  # fmt: skip
+        self.layers = []
+        for i in range(num_layers):
+            w = {f"model.layers.{i}.{k}": _weight(s, device, dtype) for k, s in shapes.items()}
+            self.layers.append(DecoderLayer(spec, w, f"model.layers.{i}", attention))
+        self.rope = RotaryEmbedding(spec, spec.max_position_embeddings, dtype, device)
+        self.kv = KVCache(
+            num_layers, blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype, device
+        )
+        self.next_block = 0
+
+    def table(self, num_tokens: int) -> tuple[int, ...]:
+        n = -(-num_tokens // self.block_size)
+        start, self.next_block = self.next_block, self.next_block + n
+        assert self.next_block <= self.kv.num_blocks, "KV cache too small for the figures"
+        return tuple(range(start, start + n))
+
+    def prepare(self, microbatch: MicroBatch):
+        """What a step needs before its layers: metadata and input hidden states."""
+        _, meta = build_metadata(microbatch, self.block_size, self.device, self.backend)
+        x = torch.randn(microbatch.num_tokens, self.spec.hidden_size, device=self.device).to(
+            self.dtype
+        )
+        return x, meta
+
+    def run(self, x: torch.Tensor, meta) -> torch.Tensor:
+        cos, sin = self.rope(meta.positions)
+        for idx, layer in enumerate(self.layers):
+            k_cache, v_cache = self.kv.flat(idx)
+            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        return x
+
+    def step(self, microbatch: MicroBatch) -> torch.Tensor:
+        return self.run(*self.prepare(microbatch))
+
+    def flops(self, microbatch: MicroBatch) -> int:
+        """Matmul FLOPs of the layers (2 per multiply-add; attention QK^T and PV included)."""
+        s = self.spec
+        total = 0
+        for c in microbatch.chunks:
+            ctx = c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2
+            total += 2 * c.num_tokens * s.layer_params() + 4 * ctx * s.num_heads * s.head_dim
+        return total * s.num_layers
+
+
+def _weight(shape: tuple[int, ...], device, dtype) -> torch.Tensor:
+    if len(shape) == 1:
+        return torch.ones(shape, device=device, dtype=dtype)
+    return (torch.randn(shape, device=device) * shape[1] ** -0.5).to(dtype)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn`` after one warm-up call."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype, tiny: bool) -> float:
+    """The best FLOP/s of a few large GEMMs in ``dtype`` (the MFU denominator)."""
+    sizes = (
+        [(256, 256, 256)] if tiny else [(8192, 8192, 8192), (4096, 4096, 11008), (8192, 4096, 4096)]
+    )
+    best = 0.0
+    for m, k, n in sizes:
+        a = torch.randn(m, k, device=device).to(dtype)
+        b = torch.randn(k, n, device=device).to(dtype)
+        t = timed(lambda a=a, b=b: a @ b, device, 10)
+        best = max(best, 2 * m * k * n / t)
+    return best
+
+
+def fill(layers: Layers, seq_id: int, num_tokens: int) -> ScheduledChunk:
+    """A decode of a sequence whose first ``num_tokens`` tokens are in the KV cache."""
+    table = layers.table(num_tokens + 1)
+    chunk = 4096 if num_tokens >= 4096 else num_tokens
+    for start in range(0, num_tokens, chunk):
+        n = min(chunk, num_tokens - start)
+        layers.step(MicroBatch(0, (ScheduledChunk(seq_id, start, (1,) * n, True, table),)))
+    return ScheduledChunk(seq_id, num_tokens, (1,), False, table)
+
+
+# --- the figures -----------------------------------------------------------------------------
+def prefill_mfu(layers: Layers, peak: float, sizes: list[int], repeats: int) -> None:
+    print(f"prefill MFU ({layers.spec.num_layers} layers; vs the matmul rate above):")
+    for n in sizes:
+        mb = MicroBatch(1, (ScheduledChunk(10_000 + n, 0, (1,) * n, True, layers.table(n)),))
+        x, meta = layers.prepare(mb)
+        t = timed(lambda x=x, meta=meta: layers.run(x, meta), layers.device, repeats)
+        rate = layers.flops(mb) / t
+        print(
+            f"  chunk {n:>5} tokens: {t * 1e3:8.2f} ms  {rate / 1e12:7.3f} TFLOP/s  MFU {rate / peak:6.1%}"
+        )
+
+
+def tile_curve(layers: Layers, around: list[int], repeats: int) -> None:
+    """Rows just below, at and above multiples of 128: a step in time per token where the
+    GEMM tiles quantize."""
+    print("tile quantization (prefill chunk rows around multiples of 128; us per token):")
+    line = []
+    for base in around:
+        for n in (base - 64, base - 1, base, base + 1, base + 64):
+            mb = MicroBatch(1, (ScheduledChunk(20_000 + n, 0, (1,) * n, True, layers.table(n)),))
+            x, meta = layers.prepare(mb)
+            t = timed(lambda x=x, meta=meta: layers.run(x, meta), layers.device, repeats)
+            line.append(f"{n}:{t / n * 1e6:.2f}")
+    print("  " + "  ".join(line))
+
+
+def piggyback(layers: Layers, decodes: list[ScheduledChunk], chunk: int, repeats: int) -> None:
+    prefill = ScheduledChunk(30_000, 0, (1,) * chunk, True, layers.table(chunk))
+    kinds = {
+        "prefill-only": MicroBatch(1, (prefill,)),
+        "decode-only": MicroBatch(2, tuple(decodes)),
+        "hybrid": MicroBatch(3, (prefill, *decodes)),
+    }
+    t = {k: timed(lambda mb=mb: layers.step(mb), layers.device, repeats) for k, mb in kinds.items()}
+    n = len(decodes)
+    alone, added = t["decode-only"] / n, (t["hybrid"] - t["prefill-only"]) / n
+    print(
+        f"piggyback ({n} decodes at {decodes[0].start} context, chunk {chunk}): step ms "
+        + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in t.items())
+        + f"; per decode token: alone {alone * 1e3:.3f} ms, piggybacked {added * 1e3:.3f} ms, "
+        f"ratio {added / alone:.3f}"
+    )
+
+
+def decode_graphs(layers: Layers, decodes: list[ScheduledChunk], repeats: int) -> None:
+    """A decode-only step's layers eagerly, then replayed from a CUDA graph captured once
+    (same metadata and inputs: what a graph-per-batch-size runner would replay)."""
+    mb = MicroBatch(4, tuple(decodes))
+    x, meta = layers.prepare(mb)
+    eager = timed(lambda: layers.run(x, meta), layers.device, repeats)
+    msg = f"decode-only step ({len(decodes)} decodes, backend {layers.backend}): eager {eager * 1e3:.2f} ms"
+    if layers.device.type != "cuda":
+        print(msg + "; CUDA graph: skipped (not on CUDA)")
+        return
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                layers.run(x, meta)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layers.run(x, meta)
+        replay = timed(graph.replay, layers.device, repeats)
+        print(msg + f"; CUDA graph replay {replay * 1e3:.2f} ms ({eager / replay:.2f}x)")
+    except Exception as e:  # noqa: BLE001 - report, do not stop the other figures
+        print(msg + f"; CUDA graph capture failed: {type(e).__name__}: {str(e)[:200]}")
+
+
+def control_plane(device: str, steps: int) -> None:
+    """L per micro-batch on PP=1: the engine's time per step outside ``StageWorker.execute``."""
+    from sarathi_pp import LLM, SamplingParams
+
+    with LLM("builtin:tiny-llama", device=device, dtype="float32", max_model_len=512) as llm:
+        worker = llm.engine.executor.worker
+        execute, inside = worker.execute, []
+
+        def timed_execute(*a, **kw):
+            t0 = time.perf_counter()
+            out = execute(*a, **kw)
+            sync(torch.device(device))
+            inside.append(time.perf_counter() - t0)
+            return out
+
+        worker.execute = timed_execute
+        params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+        llm.generate([[5, 6, 7]] * 4, params, use_tqdm=False)  # warm-up
+        inside.clear()
+        t0 = time.perf_counter()
+        llm.generate([[5, 6, 7, 8]] * 8, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+    n = len(inside)
+    print(
+        f"control plane (embedded model, PP=1, {n} steps): step compute {sum(inside) / n * 1e3:.2f} ms, "
+        f"outside execute (L) {(wall - sum(inside)) / n * 1e3:.2f} ms per micro-batch"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"device: {name}; torch {torch.__version__}; {now}; {dtype}")
+    tiny = args.tiny
+    if tiny and device.type == "cpu":
+        torch.set_num_threads(1)  # a smoke run: steadier on a shared machine, and quick
+    peak = matmul_rate(device, dtype, tiny)
+    print(f"matmul rate ({dtype}): {peak / 1e12:.3f} TFLOP/s")
+    cfg = TINY if tiny else LLAMA_7B
+    num_decodes, context = (4, 40) if tiny else (64, 1024)
+    blocks = -(-(num_decodes * (context + 1) + 40_000) // args.block_size)
+    layers = Layers(cfg, args.layers, args.block_size, device, dtype, blocks)
+    s = layers.spec
+    print(
+        f"layers: {args.layers} x (hidden {s.hidden_size}, {s.num_heads} heads of {s.head_dim}, "
+        f"{s.num_kv_heads} KV heads, MLP {s.intermediate_size}); block size {args.block_size}; "
+        f"attention backend {layers.backend}"
+    )
+    prefill_mfu(layers, peak, [32, 64] if tiny else [512, 1024, 2048, 4096], args.repeats)
+    tile_curve(layers, [128] if tiny else [512, 1024, 2048], args.repeats)
+    decodes = [fill(layers, i, context) for i in itertools.islice(itertools.count(1), num_decodes)]
+    piggyback(layers, decodes, 64 if tiny else 1024, args.repeats)
+    for n in sorted({1, min(8, num_decodes), num_decodes}):
+        decode_graphs(layers, decodes[:n], args.repeats)
+    control_plane(args.device, 8 if tiny else 32)
+
+
+if __name__ == "__main__":
+    main()
