@@ -109,13 +109,21 @@ class _Routes:
     async def completions(self, request: Request) -> Response:
         req = p.completion_request(await _json_body(request))
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        many = len(req.prompts) > 1
+        ids = [f"{request_id}-{i}" if many else request_id for i in range(len(req.prompts))]
 
-        def add(engine: Any) -> None:
-            engine.add_request(
-                request_id, req.prompt, req.params, prompt_token_ids=req.prompt_token_ids
-            )
+        def add(engine: Any) -> None:  # every prompt or none: one bad prompt fails the request
+            added: list[str] = []
+            try:
+                for rid, prompt in zip(ids, req.prompts, strict=True):
+                    engine.add_request(rid, prompt.text, req.params, prompt.token_ids)
+                    added.append(rid)
+            except BaseException:
+                for rid in added:
+                    engine.abort(rid)
+                raise
 
-        return await self._generate(request, req, request_id, add, chat=False)
+        return await self._generate(request, req, request_id, ids, add, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         req = p.chat_request(await _json_body(request))
@@ -126,16 +134,18 @@ class _Routes:
             prompt, token_ids = render_chat(engine, messages)
             engine.add_request(request_id, prompt, req.params, prompt_token_ids=token_ids)
 
-        return await self._generate(request, req, request_id, add, chat=True)
+        return await self._generate(request, req, request_id, [request_id], add, chat=True)
 
     async def _generate(
         self,
         http_request: Request,
         req: GenerateRequest,
         request_id: str,
+        ids: list[str],
         add: Callable[[Any], None],
         chat: bool,
     ) -> Response:
+        """Add the engine requests ``ids`` (one per choice) and answer with their outputs."""
         if req.model is not None and req.model != self.model:
             raise ApiError(
                 404,
@@ -145,79 +155,124 @@ class _Routes:
             )
         if not self.engine_loop.accepting:
             raise ApiError(503, "the server is stopping", "service_unavailable")
-        sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
+        sink = Sink(asyncio.get_running_loop(), asyncio.Queue())  # every choice's outputs
         try:
-            await asyncio.wrap_future(self.engine_loop.add(request_id, sink, add))
+            await asyncio.wrap_future(self.engine_loop.add(ids, sink, add))
         except (ValueError, TypeError) as e:
             raise p.bad_request(str(e)) from None
         except QueueFullError as e:
             raise ApiError(429, str(e), "rate_limit_exceeded", code="queue_full") from None
         except (EngineDeadError, EngineFailure) as e:
             raise ApiError(503, str(e), "service_unavailable") from None
+        choices = _Choices(ids)
         if req.stream:
-            events = self._stream(req, request_id, sink, chat)
+            events = self._stream(req, request_id, choices, sink, chat)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            return JSONResponse(await self._complete(http_request, request_id, sink, chat))
+            return JSONResponse(await self._complete(http_request, request_id, choices, sink, chat))
         except _ClientGone:  # aborted; nobody reads this
             return Response(status_code=499)
 
     async def _complete(
-        self, request: Request, request_id: str, sink: Sink, chat: bool
+        self, request: Request, request_id: str, choices: _Choices, sink: Sink, chat: bool
     ) -> dict[str, Any]:
-        out = None
         reader = _Reader(sink, request)
         try:
-            while out is None or not out.finished:
-                out = _checked(await reader.next())
+            while not choices.all_finished:
+                choices.update(_checked(await reader.next()))
         finally:
-            if out is None or not out.finished:  # the client is gone (or we were cancelled)
-                self.engine_loop.abort(request_id)
-        completion = out.outputs[0]
-        use = p.usage(len(out.prompt_token_ids), len(completion.token_ids))
-        response = p.chat_response if chat else p.completion_response
-        return response(request_id, self.model, completion.text, completion.finish_reason, use)
+            for rid in choices.unfinished:  # the client is gone (or we were cancelled)
+                self.engine_loop.abort(rid)
+        outs = choices.final
+        use = choices.usage()
+        if chat:
+            c = outs[0].outputs[0]
+            return p.chat_response(request_id, self.model, c.text, c.finish_reason, use)
+        texts = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+        return p.completion_response(request_id, self.model, texts, use)
 
     async def _stream(
-        self, req: GenerateRequest, request_id: str, sink: Sink, chat: bool
+        self, req: GenerateRequest, request_id: str, choices: _Choices, sink: Sink, chat: bool
     ) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per new text, the finish reason, usage if asked for,
-        ``[DONE]``. A client gone mid-stream cancels this generator: its request is aborted."""
-        finished = False
+        """Server-sent events: a chunk per new text of a choice, its finish reason, usage if
+        asked for, ``[DONE]``. A client gone mid-stream cancels this generator: its requests
+        are aborted."""
         try:
             if chat:
                 yield _sse(p.chat_chunk(request_id, self.model, {"role": "assistant"}, None))
-            num_sent = 0  # characters of the text streamed so far
+            num_sent = [0] * len(choices.ids)  # characters of each choice's text streamed
             stops = req.params.stop
-            out = None
-            while not finished:
+            while not choices.all_finished:
                 try:
                     out = _checked(await sink.queue.get())
                 except ApiError as e:
-                    finished = True
+                    choices.failed = True
                     yield _sse(e.body())
                     break
-                finished = out.finished
+                index = choices.update(out)
                 completion = out.outputs[0]
-                end = len(completion.text) if finished else _safe_end(completion.text, stops)
-                delta, num_sent = completion.text[num_sent:end], max(num_sent, end)
-                if delta or finished:
-                    yield _sse(self._chunk(request_id, delta, completion.finish_reason, chat))
-            if req.include_usage and out is not None and out.finished:
-                chunk = self._chunk(request_id, "", None, chat)
+                text = completion.text
+                end = len(text) if out.finished else _safe_end(text, stops)
+                delta, num_sent[index] = text[num_sent[index] : end], max(num_sent[index], end)
+                if delta or out.finished:
+                    reason = completion.finish_reason
+                    yield _sse(self._chunk(request_id, delta, reason, chat, index))
+            if req.include_usage and choices.all_finished and not choices.failed:
+                chunk = self._chunk(request_id, "", None, chat, 0)
                 chunk["choices"] = []
-                chunk["usage"] = p.usage(len(out.prompt_token_ids), len(out.outputs[0].token_ids))
+                chunk["usage"] = choices.usage()
                 yield _sse(chunk)
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:
-                self.engine_loop.abort(request_id)
+            for rid in choices.unfinished:
+                self.engine_loop.abort(rid)
 
-    def _chunk(self, request_id: str, text: str, finish_reason: str | None, chat: bool) -> dict:
+    def _chunk(
+        self, request_id: str, text: str, finish_reason: str | None, chat: bool, index: int
+    ) -> dict:
         if chat:
             delta = {"content": text} if text else {}
             return p.chat_chunk(request_id, self.model, delta, finish_reason)
-        return p.completion_chunk(request_id, self.model, text, finish_reason)
+        return p.completion_chunk(request_id, self.model, text, finish_reason, index)
+
+
+class _Choices:
+    """The engine requests of one HTTP request (one per choice, ``ids`` in choice order) and
+    their latest outputs."""
+
+    def __init__(self, ids: list[str]) -> None:
+        self.ids = ids
+        self._index = {rid: i for i, rid in enumerate(ids)}
+        self._latest: list[Any] = [None] * len(ids)
+        self.failed = False  # the stream ended on an error
+
+    def update(self, out: Any) -> int:
+        """Record ``out``; its choice index."""
+        index = self._index[out.request_id]
+        self._latest[index] = out
+        return index
+
+    @property
+    def unfinished(self) -> list[str]:
+        return [rid for rid, o in zip(self.ids, self._latest, strict=True) if not _done(o)]
+
+    @property
+    def all_finished(self) -> bool:
+        return all(_done(o) for o in self._latest)
+
+    @property
+    def final(self) -> list[Any]:
+        return self._latest
+
+    def usage(self) -> dict[str, int]:
+        """Prompt and completion tokens summed over the choices."""
+        outs = [o for o in self._latest if o is not None]
+        num_prompt = sum(len(o.prompt_token_ids) for o in outs)
+        return p.usage(num_prompt, sum(len(o.outputs[0].token_ids) for o in outs))
+
+
+def _done(out: Any) -> bool:
+    return out is not None and out.finished
 
 
 class _ClientGone(Exception):

@@ -105,13 +105,14 @@ class EngineLoop:
             self._commands.put((fn, future))
         return future
 
-    def add(self, request_id: str, sink: Sink, add: Callable[[Any], Any]) -> Future:
-        """Run ``add(engine)`` (which adds ``request_id``); on success the request's outputs
-        go to ``sink``."""
+    def add(self, request_ids: list[str], sink: Sink, add: Callable[[Any], Any]) -> Future:
+        """Run ``add(engine)`` (which adds ``request_ids``, all or none); on success their
+        outputs go to ``sink``."""
 
         def fn(engine: Any) -> Any:
             result = add(engine)
-            self._sinks[request_id] = sink
+            for request_id in request_ids:
+                self._sinks[request_id] = sink
             return result
 
         return self.call(fn)

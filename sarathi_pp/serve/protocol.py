@@ -69,17 +69,28 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 
 @dataclass(frozen=True)
+class Prompt:
+    """One prompt of a completion request: text, or token ids."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
-    """One checked request: either ``prompt`` (text) or ``prompt_token_ids``, or for chat
-    ``messages`` (rendered by the engine thread, which owns the tokenizer)."""
+    """One checked request: ``prompts`` (a completion: one or more, each its own choice), or
+    for chat ``messages`` (rendered by the engine thread, which owns the tokenizer)."""
 
     model: str | None
     params: SamplingParams
     stream: bool
     include_usage: bool
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
+    prompts: tuple[Prompt, ...] = ()
     messages: list[dict[str, Any]] | None = None
+
+
+# Prompts in one completion request at most (each is its own engine request).
+MAX_PROMPTS = 64
 
 
 # --- checks --------------------------------------------------------------------------------
@@ -170,23 +181,30 @@ def _common(body: Any, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
 
 
 def completion_request(body: Any) -> GenerateRequest:
-    """``POST /v1/completions``: one prompt (text or token ids, alone or in a list of one)."""
+    """``POST /v1/completions``: ``prompt`` as text, token ids, or a list of either (a
+    batch: one choice per prompt, ``index`` in prompt order)."""
     common = _common(body, ("max_tokens",))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not all(_is_int(t) for t in prompt):
-        if len(prompt) != 1:
+        if len(prompt) > MAX_PROMPTS:
             raise bad_request(
-                f"one prompt per request is supported, got a list of {len(prompt)}", "prompt"
+                f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt"
             )
-        prompt = prompt[0]
+        prompts = tuple(_prompt(x, f"prompt[{i}]") for i, x in enumerate(prompt))
+    else:
+        prompts = (_prompt(prompt, "prompt"),)
+    return GenerateRequest(prompts=prompts, **common)
+
+
+def _prompt(prompt: Any, where: str) -> Prompt:
     if isinstance(prompt, str):
         if not prompt:
-            raise bad_request("'prompt' is empty", "prompt")
-        return GenerateRequest(prompt=prompt, **common)
+            raise bad_request(f"'{where}' is empty", "prompt")
+        return Prompt(text=prompt)
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        return GenerateRequest(prompt_token_ids=list(prompt), **common)
+        return Prompt(token_ids=list(prompt))
     raise bad_request(
-        f"'prompt' must be a non-empty string or token id list, got {prompt!r}", "prompt"
+        f"'{where}' must be a non-empty string or token id list, got {prompt!r}", "prompt"
     )
 
 
@@ -234,42 +252,51 @@ def _envelope(
     request_id: str,
     obj: str,
     model: str,
-    choice: dict[str, Any],
-    finish_reason: str | None,
+    choices: list[dict[str, Any]],
     use: dict[str, int] | None,
 ) -> dict[str, Any]:
-    """OpenAI's response (or chunk) around one choice (index 0)."""
+    """OpenAI's response (or chunk) around ``choices`` (each with its ``index`` and
+    ``finish_reason``)."""
     return {
         "id": request_id,
         "object": obj,
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"logprobs": None, **c} for c in choices],
         "usage": use,
     }
 
 
+def _choice(index: int, body: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, **body, "finish_reason": finish_reason}
+
+
 def completion_response(
-    request_id: str, model: str, text: str, finish_reason: str | None, use: dict[str, int]
+    request_id: str, model: str, texts: list[tuple[str, str | None]], use: dict[str, int]
 ) -> dict[str, Any]:
-    return _envelope(request_id, "text_completion", model, {"text": text}, finish_reason, use)
+    """``texts``: each prompt's (text, finish reason), in prompt order."""
+    choices = [_choice(i, {"text": t}, f) for i, (t, f) in enumerate(texts)]
+    return _envelope(request_id, "text_completion", model, choices, use)
 
 
 def chat_response(
     request_id: str, model: str, text: str, finish_reason: str | None, use: dict[str, int]
 ) -> dict[str, Any]:
     message = {"message": {"role": "assistant", "content": text}}
-    return _envelope(request_id, "chat.completion", model, message, finish_reason, use)
+    return _envelope(
+        request_id, "chat.completion", model, [_choice(0, message, finish_reason)], use
+    )
 
 
 def completion_chunk(
-    request_id: str, model: str, text: str, finish_reason: str | None
+    request_id: str, model: str, text: str, finish_reason: str | None, index: int = 0
 ) -> dict[str, Any]:
-    return _envelope(request_id, "text_completion", model, {"text": text}, finish_reason, None)
+    choice = _choice(index, {"text": text}, finish_reason)
+    return _envelope(request_id, "text_completion", model, [choice], None)
 
 
 def chat_chunk(
     request_id: str, model: str, delta: dict[str, str], finish_reason: str | None
 ) -> dict[str, Any]:
-    chunk = {"delta": delta}
-    return _envelope(request_id, "chat.completion.chunk", model, chunk, finish_reason, None)
+    choice = _choice(0, {"delta": delta}, finish_reason)
+    return _envelope(request_id, "chat.completion.chunk", model, [choice], None)

@@ -7,15 +7,22 @@ import pytest
 pytest.importorskip("fastapi")
 
 from sarathi_pp.serve.app import _safe_end  # noqa: E402
-from sarathi_pp.serve.protocol import ApiError, chat_request, completion_request  # noqa: E402
+from sarathi_pp.serve.protocol import (  # noqa: E402
+    ApiError,
+    Prompt,
+    chat_request,
+    completion_request,
+)
 
 
 def test_prompt_forms() -> None:
-    assert completion_request({"prompt": "hi"}).prompt == "hi"
-    assert completion_request({"prompt": ["hi"]}).prompt == "hi"
-    assert completion_request({"prompt": [1, 2]}).prompt_token_ids == [1, 2]
-    assert completion_request({"prompt": [[1, 2]]}).prompt_token_ids == [1, 2]
-    for bad in (None, "", [], [True, 2], [1.5], {"a": 1}, ["a", "b"], [[1], [2]]):
+    assert completion_request({"prompt": "hi"}).prompts == (Prompt(text="hi"),)
+    assert completion_request({"prompt": ["hi"]}).prompts == (Prompt(text="hi"),)
+    assert completion_request({"prompt": [1, 2]}).prompts == (Prompt(token_ids=[1, 2]),)
+    assert completion_request({"prompt": [[1, 2]]}).prompts == (Prompt(token_ids=[1, 2]),)
+    batch = completion_request({"prompt": ["a", [3], "b"]}).prompts  # one choice each
+    assert batch == (Prompt(text="a"), Prompt(token_ids=[3]), Prompt(text="b"))
+    for bad in (None, "", [], [True, 2], [1.5], {"a": 1}, ["a", ""], [[1], []], ["x"] * 65):
         with pytest.raises(ApiError) as e:
             completion_request({"prompt": bad})
         assert e.value.status == 400 and e.value.param == "prompt"

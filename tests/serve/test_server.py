@@ -90,6 +90,29 @@ def test_completion_equals_llm_generate(client, reference) -> None:
     assert r.usage.prompt_tokens == len(ids)
 
 
+def test_a_list_of_prompts_is_one_choice_each(client, reference) -> None:
+    prompts = ["Hello world", [5, 70, 80], "abc", "Hello world"]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=7, **GREEDY)
+    refs = [
+        _reference_text(reference, x if isinstance(x, str) else {"prompt_token_ids": x}, 7)
+        for x in prompts
+    ]
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == refs and len(set(refs)) > 1
+    assert r.usage.completion_tokens == 4 * 7
+    streamed = ["", "", "", ""]
+    usage = None
+    for chunk in client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=7, stream=True,
+        stream_options={"include_usage": True}, **GREEDY,
+    ):  # fmt: skip
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+        usage = chunk.usage or usage
+    assert streamed == refs
+    assert usage.completion_tokens == 28 and usage.prompt_tokens == r.usage.prompt_tokens
+
+
 def test_streamed_completion_equals_the_whole(client) -> None:
     whole = client.completions.create(model=MODEL, prompt="Stream me", max_tokens=10, **GREEDY)
     chunks = list(
@@ -215,7 +238,7 @@ def test_disconnect_while_waiting_for_a_whole_answer_aborts_it(server) -> None:
     [
         ({"prompt": 5}, "prompt"),
         ({"prompt": ""}, "empty"),
-        ({"prompt": ["a", "b"]}, "one prompt"),
+        ({"prompt": ["a", ""]}, "'prompt[1]' is empty"),
         ({"prompt": "x", "max_tokens": "7"}, "max_tokens"),
         ({"prompt": "x", "temperature": -1}, "temperature"),
         ({"prompt": "x", "stream": "yes"}, "stream"),
