@@ -1,0 +1,86 @@
+"""Decode attention over the paged KV cache, one layer, in one process: the portable path
+(gather every context into a buffer, then SDPA) vs the in-place C kernel
+(``sarathi_pp.stages.paged_cpu``), against the bandwidth floor of reading that layer's K/V
+once at the copy rate measured in the same run.
+
+Shapes default to one layer of the embedded model (16 heads, 4 KV heads, head_dim 64,
+float32); block tables are shuffled (blocks scattered over the cache, as after many frees).
+The two paths run interleaved, best of ``--repeats``: compare their ratio. Run from the
+repository root: ``python benchmarks/paged_attention.py [--decodes 32] [--context 1024]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
+
+import torch  # noqa: E402
+from common import add_threads_flag, copy_gbps, load_average, machine_line, set_threads  # noqa: E402
+
+from sarathi_pp.stages.attention import ATTENTION_BACKENDS, AttentionMetadata  # noqa: E402
+from sarathi_pp.stages.paged_cpu import load_kernel  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--decodes", type=int, default=32)
+    p.add_argument("--context", type=int, default=1024, help="tokens cached per decode")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=15)
+    add_threads_flag(p)
+    args = p.parse_args(argv)
+    print(machine_line(set_threads(args.threads)))
+    if load_kernel() is None:
+        raise SystemExit("error: the C kernel did not build (see the warning above)")
+    bs, n = args.block_size, args.decodes
+    per_seq = -(-(args.context + 1) // bs)
+    num_blocks = 2 * n * per_seq  # half of the cache unused, as a real cache mostly is
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (
+        torch.randn(num_blocks * bs, args.kv_heads, args.head_dim, generator=g) for _ in range(2)
+    )
+    tables = torch.randperm(num_blocks, generator=g)[: n * per_seq].view(n, per_seq)
+    lens = torch.full((n,), args.context + 1)
+    meta = AttentionMetadata(
+        positions=lens - 1,
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        num_prefill_tokens=0,
+        prefills=[],
+        decode_blocks=tables,
+        decode_mask=(torch.arange(per_seq * bs) < lens[:, None])[:, None, None],
+        decode_lens=lens,
+        block_size=bs,
+    )
+    q = torch.randn(n, args.heads, args.head_dim, generator=g)
+    paths = {
+        name: ATTENTION_BACKENDS[name](args.heads, args.kv_heads, args.head_dim)
+        for name in ("torch", "cpu_paged")
+    }
+    gbps = copy_gbps()
+    best = {name: float("inf") for name in paths}
+    for _ in range(args.repeats + 1):
+        for name, attn in paths.items():
+            t0 = time.perf_counter()
+            attn._decode(q, k_cache, v_cache, meta)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    kv_bytes = 2 * n * (args.context + 1) * args.kv_heads * args.head_dim * 4  # 2: K, V
+    floor = kv_bytes / (gbps * 1e9)
+    print(
+        f"{n} decodes x {args.context} context, block size {bs}, shuffled tables: K/V "
+        f"{kv_bytes / 1e6:.0f} MB; copy rate {gbps:.1f} GB/s (read + write) -> floor {floor * 1e3:.2f} ms"
+    )
+    for name, t in best.items():
+        print(f"  {name:<10} {t * 1e3:8.2f} ms  {t / floor:6.1f}x the floor")
+    print(f"  in place / gather + SDPA: {best['cpu_paged'] / best['torch']:.2f}")
+    print(f"load avg (1 min) at the end: {load_average()}")
+
+
+if __name__ == "__main__":
+    main()
