@@ -186,13 +186,24 @@ def _compile(path: Path) -> None:
         os.replace(lib, path)
 
 
+def _cpu_signature() -> str:
+    """What ``-march=native`` compiled for: the library is keyed by it, so a home directory
+    shared by machines with different CPUs never loads another CPU's build."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return platform.machine() + "".join(sorted(set(lines)))
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
 @cache
 def load_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The compiled ``paged_decode_f32``, or None (no compiler, or disabled by
     ``SARATHI_PP_CPU_KERNEL=0``); the reason is logged once."""
     if os.environ.get("SARATHI_PP_CPU_KERNEL", "1") == "0":
         return None
-    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + platform.machine()).encode()).hexdigest()
+    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + _cpu_signature()).encode()).hexdigest()
     path = _kernel_dir() / f"paged_decode-{key[:16]}.so"
     try:
         if not path.exists():
