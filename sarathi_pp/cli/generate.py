@@ -171,8 +171,9 @@ def summary_line(records: list[dict[str, Any]], wall_s: float) -> str:
     num_failed = sum(1 for r in records if r["error"])
     rate = num_tokens / wall_s if wall_s > 0 else float("inf")
     failed = f", {num_failed} failed" if num_failed else ""
+    plural = "" if len(records) == 1 else "s"
     return (
-        f"{PROG}: {len(records)} requests{failed}, {num_tokens} generated tokens "
+        f"{PROG}: {len(records)} request{plural}{failed}, {num_tokens} generated tokens "
         f"in {wall_s:.2f} s ({rate:.1f} tokens/s)"
     )
 

@@ -90,7 +90,7 @@ def test_readable_stdout_and_summary(llama_dir, capsys):
     assert lines[0] == "[0] prompt: 'Hi'"
     assert lines[1].startswith("    output: ")
     assert lines[2] == "    finish: length, 3 tokens"
-    assert "sarathi-pp: 1 requests, 3 generated tokens in" in captured.err
+    assert "sarathi-pp: 1 request, 3 generated tokens in" in captured.err
     assert "tokens/s" in captured.err
 
 
