@@ -4,7 +4,8 @@ One JSON object per line; the first line is the header. Times are seconds on one
 every process of the run (``time.monotonic()``: system-wide on one machine; a stage on
 another node has its offset measured and removed), relative to the header's ``t0``.
 
-Schema version 1 (``SCHEMA_VERSION``), by ``type``:
+Schema version 2 (``SCHEMA_VERSION``; a version 1 log, which lacks the optional fields
+marked "since 2", still reads), by ``type``:
 
 ``header``  ``schema_version``, ``num_stages``, ``t0`` (absolute monotonic seconds),
             ``config`` (the resolved config as a mapping).
@@ -15,13 +16,19 @@ Schema version 1 (``SCHEMA_VERSION``), by ``type``:
             reached the stage; stage s > 0: the hidden states arrived), ``compute_start``,
             ``compute_end``, ``send_end`` (the output was handed to the transport; the last
             stage: the sampled tokens were ready to return).
-``issue``   the scheduler issued a micro-batch: ``mb``, ``t``, ``kind``,
-            ``num_prefill_tokens``, ``num_decode_tokens``.
+``issue``   the scheduler issued a micro-batch: ``mb``, ``t`` (scheduling began), ``kind``,
+            ``num_prefill_tokens``, ``num_decode_tokens``; since 2, optional: ``submit``
+            (the micro-batch was built and handed to the executor: from there to stage 0's
+            ``input_ready`` is dispatch).
 ``idle``    the scheduler had nothing to issue: ``start``, ``end``, ``reason``
             (``no_work``: no request had arrived; ``dependency``: every schedulable
             sequence waited for its sampled token, no KV block was free, or the in-flight
             limit was reached).
-``done``    the driver received a micro-batch's sampled tokens: ``mb``, ``t``.
+``done``    the driver received a micro-batch's sampled tokens: ``mb``, ``t``; since 2,
+            optional: ``wait`` (the driver began waiting for them: before, it was busy) and
+            ``full`` (true: the in-flight limit held the next micro-batch back; false: the
+            scheduler had nothing to issue, every sequence that could run being in flight
+            or no KV block free). See ``report/runtime_split.py``.
 ``chunk_size`` the token budget in force from ``t`` on (``t``, ``chunk_size``): written
             by the engine before the first micro-batch of a scheduler that chunks
             (sarathi, simple_chunking) and again whenever the budget changes
@@ -40,7 +47,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)  # a version 1 log lacks the optional fields
 EVENT_TYPES = ("header", "stage", "issue", "idle", "done", "chunk_size", "requests_t0")
 
 
@@ -134,18 +142,27 @@ class EventLog:
             }
         )  # fmt: skip
 
-    def issue(self, mb: int, t: float, kind: str, num_prefill: int, num_decode: int) -> None:
+    def issue(
+        self,
+        mb: int,
+        t: float,
+        kind: str,
+        num_prefill: int,
+        num_decode: int,
+        submit: float | None = None,
+    ) -> None:
         self.end_idle(t)
-        self._add(
-            {
-                "type": "issue",
-                "mb": mb,
-                "t": t - self.t0,
-                "kind": kind,
-                "num_prefill_tokens": num_prefill,
-                "num_decode_tokens": num_decode,
-            }
-        )
+        record = {
+            "type": "issue",
+            "mb": mb,
+            "t": t - self.t0,
+            "kind": kind,
+            "num_prefill_tokens": num_prefill,
+            "num_decode_tokens": num_decode,
+        }
+        if submit is not None:
+            record["submit"] = submit - self.t0
+        self._add(record)
 
     def idle(self, t: float, reason: str) -> None:
         """The scheduler has nothing to issue from ``t`` on (until the next ``issue``)."""
@@ -163,8 +180,12 @@ class EventLog:
                 )
             self._idle_since = None
 
-    def done(self, mb: int, t: float) -> None:
-        self._add({"type": "done", "mb": mb, "t": t - self.t0})
+    def done(self, mb: int, t: float, wait: float | None = None, full: bool | None = None) -> None:
+        record: dict[str, Any] = {"type": "done", "mb": mb, "t": t - self.t0}
+        if wait is not None:
+            record["wait"] = wait - self.t0
+            record["full"] = bool(full)
+        self._add(record)
 
     def chunk_size(self, t: float, chunk_size: int) -> None:
         """The scheduler's token budget is ``chunk_size`` from ``t`` on; recorded the first
@@ -202,8 +223,9 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
         records.append(r)
     if not records or records[0]["type"] != "header":
         raise ValueError(f"{p}: the first line must be the header")
-    if records[0].get("schema_version") != SCHEMA_VERSION:
+    if records[0].get("schema_version") not in READABLE_SCHEMA_VERSIONS:
         raise ValueError(
-            f"{p}: schema version {records[0].get('schema_version')!r}, this reader knows {SCHEMA_VERSION}"
+            f"{p}: schema version {records[0].get('schema_version')!r}, this reader knows "
+            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}"
         )
     return records

@@ -211,10 +211,13 @@ class LLMEngine(PipelineFaults):
             self._issue()
             if not self._inflight:
                 return self._take_aborted()
+            # Measured for the report (runtime_split.py): when the driver began waiting, and
+            # whether the in-flight limit (not the scheduler) held the next micro-batch back.
+            wait, full = self.now(), len(self._inflight) >= self.max_inflight
             microbatch, result = self.executor.wait_oldest()
             assert microbatch.microbatch_id == self._inflight[0].microbatch_id, microbatch
             with deferred_interrupts():
-                outputs = self._apply(microbatch, result)
+                outputs = self._apply(microbatch, result, wait, full)
                 self._inflight.popleft()
         except BaseException as e:
             self._on_step_failure(e)  # re-raises unless a lost stage was replaced
@@ -237,15 +240,17 @@ class LLMEngine(PipelineFaults):
                 if microbatch is None:
                     self.recorder.idle(now, self.scheduler.idle_reason)
                     return
-                self.recorder.issued(microbatch, now)
+                self.recorder.issued(microbatch, now, submit=self.now())
                 self._inflight.append(microbatch)
             self.executor.submit(microbatch)
         # the in-flight limit holds the next micro-batch back
         self.recorder.idle(self.now(), IDLE_DEPENDENCY)
 
-    def _apply(self, microbatch: MicroBatch, result: StepResult) -> list[RequestOutput]:
+    def _apply(
+        self, microbatch: MicroBatch, result: StepResult, wait: float, full: bool
+    ) -> list[RequestOutput]:
         now = self.now()
-        self.recorder.completed(microbatch, result, now)
+        self.recorder.completed(microbatch, result, now, wait=wait, full=full)
         updated = self.scheduler.on_step_done(microbatch, result.sampled, now)
         outputs = []
         for seq_id, message in result.errors.items():

@@ -38,8 +38,15 @@ class Recorder(Protocol):
 
     def before_schedule(self, now: float, scheduler: Scheduler) -> None: ...
     def idle(self, now: float, reason: str | None) -> None: ...
-    def issued(self, microbatch: MicroBatch, now: float) -> None: ...
-    def completed(self, microbatch: MicroBatch, result: StepResult, now: float) -> None: ...
+    def issued(self, microbatch: MicroBatch, now: float, submit: float | None = None) -> None: ...
+    def completed(
+        self,
+        microbatch: MicroBatch,
+        result: StepResult,
+        now: float,
+        wait: float | None = None,
+        full: bool | None = None,
+    ) -> None: ...
     def added(self, arrival_time: float) -> None: ...
     def finished(self, output: RequestOutput) -> None: ...
     def write(self, now: float) -> dict[str, Any] | None: ...
@@ -58,10 +65,17 @@ class NullRecorder:
     def idle(self, now: float, reason: str | None) -> None:
         pass
 
-    def issued(self, microbatch: MicroBatch, now: float) -> None:
+    def issued(self, microbatch: MicroBatch, now: float, submit: float | None = None) -> None:
         pass
 
-    def completed(self, microbatch: MicroBatch, result: StepResult, now: float) -> None:
+    def completed(
+        self,
+        microbatch: MicroBatch,
+        result: StepResult,
+        now: float,
+        wait: float | None = None,
+        full: bool | None = None,
+    ) -> None:
         pass
 
     def added(self, arrival_time: float) -> None:
@@ -107,15 +121,25 @@ class RunRecorder:
         assert reason is not None, "the scheduler issued nothing without saying why"
         self._safely(self.events.idle, now, reason)
 
-    def issued(self, microbatch: MicroBatch, now: float) -> None:
+    def issued(self, microbatch: MicroBatch, now: float, submit: float | None = None) -> None:
+        """``now``: scheduling began; ``submit``: the micro-batch goes to the executor."""
         mb = microbatch
         self._safely(
             self.events.issue,
-            mb.microbatch_id, now, mb.kind, mb.num_prefill_tokens, mb.num_decode_tokens,
+            mb.microbatch_id, now, mb.kind, mb.num_prefill_tokens, mb.num_decode_tokens, submit,
         )  # fmt: skip
 
-    def completed(self, microbatch: MicroBatch, result: StepResult, now: float) -> None:
-        self._safely(self.events.done, microbatch.microbatch_id, now)
+    def completed(
+        self,
+        microbatch: MicroBatch,
+        result: StepResult,
+        now: float,
+        wait: float | None = None,
+        full: bool | None = None,
+    ) -> None:
+        """``now``: the tokens are here; ``wait``: the driver began waiting for them;
+        ``full``: the in-flight limit (not the scheduler) held the next micro-batch back."""
+        self._safely(self.events.done, microbatch.microbatch_id, now, wait, full)
         for e in result.events:
             self._safely(self.events.stage, e)
 

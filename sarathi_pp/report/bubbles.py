@@ -21,10 +21,13 @@ Every stage's run is cut into contiguous segments, each ``busy`` or one bubble c
    - Stage 0, up to ``r = input_ready(j)`` (the micro-batch reached the stage): where a scheduler
      ``idle`` record overlaps, its reason (``no_work`` / ``dependency`` / ``recovery``); elsewhere
      ``schedule``. After ``r`` (the micro-batch is there, compute not started): ``schedule``.
+     Then ``dependency`` and ``schedule`` are cut into their measured parts (``load``,
+     ``in_flight``, ``token_return``, ``driver``; ``dispatch``): ``runtime_split.py``.
    - Stage s > 0, split at ``c = compute_end(s-1, j)``: after ``c`` (the transfer and
      receive) is ``comm``. Before ``c`` (length ``L``): let ``G`` be stage s-1's own wait
      for ``j`` restricted to its scheduler classes (``no_work``, ``dependency``,
-     ``schedule``; themselves possibly passed down from stage s-2), in time order. The last
+     ``schedule`` and their parts; themselves possibly passed down from stage s-2), in time
+     order. The last
      ``min(L, |G|)`` seconds of ``G``, with their classes and order, fill the start of the
      wait; the rest takes the kinds of ``j-1`` and ``j`` on stage s, checked in this order:
      ``hybrid`` if either is hybrid, ``PB1`` if both are prefill, ``PB3`` if both are
@@ -54,12 +57,26 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from sarathi_pp.report.log import RunLog
+from sarathi_pp.report.runtime_split import (
+    DEPENDENCY,
+    LEGACY_CLASS,
+    SCHEDULE,
+    dependency_rest,
+    dependency_spans,
+    dispatch_spans,
+)
 
-BUBBLE_CLASSES = (
-    "PB1", "PB2", "PB3", "hybrid", "comm", "dependency", "schedule", "recovery", "no_work",
+# The shape classes: what SARATHI's micro-batches remove (their compute times differ).
+SHAPE_CLASSES = ("PB1", "PB2", "PB3", "hybrid")
+# The runtime classes: what the runtime adds (``runtime_split.py``); ``load`` is the load's
+# own share (too few sequences to fill the micro-batches in flight), ``dependency`` the
+# unsplit rest of an older log, ``recovery`` the engine replacing a lost stage.
+RUNTIME_CLASSES = (
+    "comm", "load", "in_flight", "token_return", "driver", "schedule", "dispatch",
+    DEPENDENCY, "recovery",
 )  # fmt: skip
-# ``recovery``: the engine replacing a lost stage (``parallel.max_stage_restarts``).
-SCHEDULER_CLASSES = ("no_work", "dependency", "schedule", "recovery")
+BUBBLE_CLASSES = (*SHAPE_CLASSES, *RUNTIME_CLASSES, "no_work")
+SCHEDULER_CLASSES = ("no_work", DEPENDENCY, SCHEDULE, "recovery", *LEGACY_CLASS)
 BUSY = "busy"
 
 
@@ -112,12 +129,14 @@ class BubbleAnalysis:
     segments: list[list[Segment]] = field(repr=False)  # [stage_idx], contiguous over the run
 
 
-def analyze(log: RunLog) -> BubbleAnalysis:
+def analyze(log: RunLog, split: bool = True) -> BubbleAnalysis:
+    """``split=False``: ``dependency`` and ``schedule`` whole (what their parts add up to)."""
     run_start, run_end = run_span(log)
     window = steady_window(log, run_start, run_end)
     segments: list[list[Segment]] = []
     for s in range(log.num_stages):
-        segments.append(stage_segments(log, s, segments[-1] if s else None, run_start, run_end))
+        prev = segments[-1] if s else None
+        segments.append(stage_segments(log, s, prev, run_start, run_end, split))
     stages = [stage_bubbles(s, segs, window, run_start, run_end) for s, segs in enumerate(segments)]
     return BubbleAnalysis(run_start, run_end, window, stages, segments)
 
@@ -215,9 +234,15 @@ def _sched_spans(segments: list[Segment] | None) -> dict[int | None, list[Segmen
 
 
 def stage_segments(
-    log: RunLog, s: int, prev: list[Segment] | None, run_start: float, run_end: float
+    log: RunLog,
+    s: int,
+    prev: list[Segment] | None,
+    run_start: float,
+    run_end: float,
+    split: bool = True,
 ) -> list[Segment]:
-    """Stage ``s``'s run as contiguous segments; ``prev``: stage ``s-1``'s segments."""
+    """Stage ``s``'s run as contiguous segments; ``prev``: stage ``s-1``'s segments;
+    ``split``: stage 0's ``dependency`` and ``schedule`` cut into their measured parts."""
     idles = [Segment(i.start, i.end, i.reason, None) for i in log.idles]
     passed = _sched_spans(prev)
     prev_stage = log.by_mb(s - 1) if s else {}
@@ -240,8 +265,29 @@ def stage_segments(
         prev_kind = e.kind
     if s == 0:
         out += paint(cursor, run_end, idles, "schedule", None)
-    else:
-        out += pass_down(cursor, run_end, passed.get(None, []), "schedule", None)
+        return split_runtime(log, out) if split else out
+    out += pass_down(cursor, run_end, passed.get(None, []), "schedule", None)
+    return out
+
+
+def split_runtime(log: RunLog, segments: list[Segment]) -> list[Segment]:
+    """Stage 0's ``segments`` with ``dependency`` and ``schedule`` cut into their measured
+    parts (``runtime_split.py``); every other segment as it is."""
+    waits = [Segment(a, b, label, None) for a, b, label in dependency_spans(log)]
+    rest = dependency_rest(log)
+    dispatch = dispatch_spans(log)
+    out: list[Segment] = []
+    for seg in segments:
+        if seg.label not in (DEPENDENCY, SCHEDULE):
+            out.append(seg)
+            continue
+        pieces = [seg]
+        if seg.mb in dispatch:  # stage 0 waits for a micro-batch already handed over
+            a, b = dispatch[seg.mb]
+            span = [Segment(a, b, "dispatch", None)]
+            pieces = paint(seg.start, seg.end, span, seg.label, seg.mb)
+        for p in pieces:
+            out += paint(p.start, p.end, waits, rest, p.mb) if p.label == DEPENDENCY else [p]
     return out
 
 
@@ -260,7 +306,7 @@ def stage_bubbles(
         if seg.label == BUSY:
             busy += inside
             continue
-        bubbles[seg.label] += inside
+        bubbles[seg.label] = bubbles.get(seg.label, 0.0) + inside
         fill += _overlap(seg, run_start, window.start)
         drain += _overlap(seg, window.end, run_end)
     idle = sum(bubbles.values())

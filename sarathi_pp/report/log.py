@@ -46,10 +46,23 @@ class Idle:
 @dataclass(frozen=True, slots=True)
 class Issue:
     mb: int
-    t: float
+    t: float  # scheduling began
     kind: str
     num_prefill_tokens: int
     num_decode_tokens: int
+    submit: float | None = None  # handed to the executor (None: an older log)
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """The driver waited for micro-batch ``mb``'s tokens over ``[start, end]`` (``end``: the
+    ``done`` record); ``full``: the in-flight limit held the next micro-batch back (else the
+    scheduler had nothing to issue)."""
+
+    mb: int
+    start: float
+    end: float
+    full: bool
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,7 @@ class RunLog:
     dones: tuple[tuple[int, float], ...]  # (mb, t) by t
     chunk_sizes: tuple[tuple[float, int], ...]  # (t, chunk_size) by t
     requests_t0: float | None = None  # requests.csv's origin on this clock (None: unknown)
+    waits: tuple[Wait, ...] = ()  # by start; empty for an older log (no ``wait`` in ``done``)
 
     def by_mb(self, stage_idx: int) -> dict[int, StageEvent]:
         return {e.mb: e for e in self.stages[stage_idx]}
@@ -113,6 +127,12 @@ def parse_log(records: list[dict[str, Any]], source: str) -> RunLog:
             )
         ),
         requests_t0=next((_num(r, "t", source) for r in by_type.get("requests_t0", [])), None),
+        waits=tuple(
+            sorted(
+                (_wait(r, source) for r in by_type.get("done", []) if "wait" in r),
+                key=lambda w: w.start,
+            )
+        ),
     )
 
 
@@ -166,7 +186,21 @@ def _issue(r: dict[str, Any], source: str) -> Issue:
         _kind(r, source),
         _int(r, "num_prefill_tokens", source),
         _int(r, "num_decode_tokens", source),
+        _num(r, "submit", source) if "submit" in r else None,
     )
+
+
+def _wait(r: dict[str, Any], source: str) -> Wait:
+    start, end = _num(r, "wait", source), _num(r, "t", source)
+    if end < start:
+        raise ValueError(
+            f"{_where(r, source)}: done record's wait ({start}) is after its t ({end})"
+        )
+    if not isinstance(r.get("full"), bool):
+        raise ValueError(
+            f"{_where(r, source)}: done record field 'full' must be a bool, got {r.get('full')!r}"
+        )
+    return Wait(_int(r, "mb", source), start, end, r["full"])
 
 
 def _stage_event(r: dict[str, Any], num_stages: int, source: str) -> StageEvent:

@@ -6,10 +6,10 @@ Layout (times in seconds)::
     run:    {start_s, end_s, duration_s}       # relative to the event log's t0
     window: {start_s, end_s, duration_s}       # the steady state (or the run, see the note)
     stages: [{stage, busy_s, idle_s, window_s, bubble_fraction, bubbles_s: {class: s},
-              fill_s, drain_s, fill_drain_s,
+              families_s: {shape, runtime, no_work}, fill_s, drain_s, fill_drain_s,
               microbatches: {prefill|decode|hybrid|all: {count, compute_mean_s, compute_cv}}}]
-    overall: {busy_s, idle_s, window_s, bubble_fraction, bubbles_s, fill_s, drain_s,
-              fill_drain_s, num_microbatches, microbatches_by_kind: {kind: count}}
+    overall: {busy_s, idle_s, window_s, bubble_fraction, bubbles_s, families_s, fill_s,
+              drain_s, fill_drain_s, num_microbatches, microbatches_by_kind: {kind: count}}
     requests: see ``request_metrics.request_summary``, and ``bubble_time_s`` (p50, p90,
             p99, max, mean; all null for an older log: ``request_bubbles``)
     chunk_size: {auto, initial, final, min, max, num_changes, changes: [[t_s, chunk_size]]}
@@ -18,6 +18,9 @@ Layout (times in seconds)::
             # without records (a policy that runs whole prompts, an older log)
 
 ``overall`` sums the stages; its ``bubble_fraction`` is total idle / total window.
+``families_s`` groups ``bubbles_s``: ``shape`` (PB1-PB3, ``hybrid``: what SARATHI's
+micro-batches remove), ``runtime`` (every other class but ``no_work``: what the runtime
+adds, the load's own share ``load`` included) and ``no_work``; they add up to ``idle_s``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ from itertools import pairwise
 from typing import Any
 
 from sarathi_pp.events import StageEvent
-from sarathi_pp.report.bubbles import BUBBLE_CLASSES, BubbleAnalysis, StageBubbles
+from sarathi_pp.report.bubbles import (
+    BUBBLE_CLASSES,
+    RUNTIME_CLASSES,
+    SHAPE_CLASSES,
+    BubbleAnalysis,
+    StageBubbles,
+)
 from sarathi_pp.report.log import KINDS, RunLog
 from sarathi_pp.report.request_bubbles import request_bubble_times
 from sarathi_pp.report.request_metrics import RequestRow, distribution, request_summary
@@ -88,9 +97,19 @@ def _bubble_entry(
         "window_s": window,
         "bubble_fraction": idle / window if window > 0 else 0.0,
         "bubbles_s": {c: bubbles[c] for c in BUBBLE_CLASSES},
+        "families_s": families(bubbles),
         "fill_s": fill,
         "drain_s": drain,
         "fill_drain_s": fill + drain,
+    }
+
+
+def families(bubbles: dict[str, float]) -> dict[str, float]:
+    """Seconds by family: ``shape``, ``runtime`` and ``no_work`` (see the module)."""
+    return {
+        "shape": sum(bubbles[c] for c in SHAPE_CLASSES),
+        "runtime": sum(bubbles[c] for c in RUNTIME_CLASSES),
+        "no_work": bubbles["no_work"],
     }
 
 

@@ -4,7 +4,11 @@ a model (``python -m sarathi_pp.report.synthetic RUN_DIR`` then ``sarathi-pp rep
 
 Stage 0 runs the micro-batches back to back (after any scheduler idle gap before one and a
 fixed control-plane overhead); stage s > 0 starts a micro-batch once it is free and the
-hidden states arrived (``send_s`` after stage s-1's compute, then ``transfer_s``).
+hidden states arrived (``send_s`` after stage s-1's compute, then ``transfer_s``). The
+driver has a micro-batch's tokens ``return_s`` after the last stage sent them. With
+``driver_records`` the log has schema 2's driver fields (``issue.submit`` halfway through
+the overhead, ``done.wait`` from the later of the previous ``done`` and the micro-batch's
+issue, ``done.full`` on every other micro-batch); without them it reads as an older log.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class SimConfig:
     start_s: float = 0.0  # the first issue
     idle_before: dict[int, tuple[str, float]] = field(default_factory=dict)  # mb -> (reason, s)
     policy: str = "sarathi"
+    return_s: float = 0.0  # the last stage's send_end -> the done record
+    driver_records: bool = False  # issue.submit, done.wait, done.full (schema 2)
 
 
 def simulate(mbs: list[MB], cfg: SimConfig) -> list[dict[str, Any]]:
@@ -54,22 +60,24 @@ def simulate(mbs: list[MB], cfg: SimConfig) -> list[dict[str, Any]]:
         }
     ]
     free = [cfg.start_s] * cfg.num_stages  # when each stage finished sending its previous one
+    prev_done = cfg.start_s
     for j, mb in enumerate(mbs):
         t = free[0]
         if j in cfg.idle_before:
             reason, d = cfg.idle_before[j]
             records.append({"type": "idle", "start": t, "end": t + d, "reason": reason})
             t += d
-        records.append(
-            {
-                "type": "issue",
-                "mb": j,
-                "t": t,
-                "kind": mb.kind,
-                "num_prefill_tokens": mb.num_prefill_tokens,
-                "num_decode_tokens": mb.num_decode_tokens,
-            }
-        )
+        issue = {
+            "type": "issue",
+            "mb": j,
+            "t": t,
+            "kind": mb.kind,
+            "num_prefill_tokens": mb.num_prefill_tokens,
+            "num_decode_tokens": mb.num_decode_tokens,
+        }
+        if cfg.driver_records:
+            issue["submit"] = t + cfg.overhead_s / 2
+        records.append(issue)
         ready = t + cfg.overhead_s
         for s in range(cfg.num_stages):
             start = max(ready, free[s])
@@ -78,7 +86,11 @@ def simulate(mbs: list[MB], cfg: SimConfig) -> list[dict[str, Any]]:
             records.append(rec)
             free[s] = rec["send_end"]
             ready = rec["send_end"] + cfg.transfer_s
-        records.append({"type": "done", "mb": j, "t": free[-1]})
+        done = {"type": "done", "mb": j, "t": free[-1] + cfg.return_s}
+        if cfg.driver_records:
+            done.update(wait=min(max(prev_done, t), done["t"]), full=j % 2 == 0)
+        prev_done = done["t"]
+        records.append(done)
     return records
 
 

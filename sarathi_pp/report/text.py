@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sarathi_pp.report.bubbles import BUBBLE_CLASSES
+from sarathi_pp.report.bubbles import RUNTIME_CLASSES, SHAPE_CLASSES
 
 DIST_ROWS = (
     ("ttft", "ttft_s"),
@@ -52,13 +52,55 @@ def _kinds(summary: dict[str, Any]) -> str:
     return f"{o['num_microbatches']} micro-batches: {by}"
 
 
-def _bubble_rows(summary: dict[str, Any]) -> list[str]:
-    head = f"{'stage':<6}{'bubble':>8}" + "".join(f"{c:>11}" for c in BUBBLE_CLASSES)
-    lines = [head + f"{'fill+drain':>12}"]
-    entries = [(str(e["stage"]), e) for e in summary["stages"]] + [("all", summary["overall"])]
+# Shown only when some stage has them: the unsplit rest of an older log, stage recovery.
+_RARE_CLASSES = ("dependency", "recovery")
+
+
+def _secs(e: dict[str, Any], c: str) -> float:
+    return e["bubbles_s"].get(c, 0.0)  # an older summary lacks the split classes
+
+
+def family_secs(e: dict[str, Any]) -> dict[str, float]:
+    """``shape``, ``runtime`` and ``no_work`` seconds of a summary entry (an older
+    summary's entry, without ``families_s``, summed from its classes)."""
+    if "families_s" in e:
+        return e["families_s"]
+    return {
+        "shape": sum(_secs(e, c) for c in SHAPE_CLASSES),
+        "runtime": sum(_secs(e, c) for c in RUNTIME_CLASSES),
+        "no_work": _secs(e, "no_work"),
+    }
+
+
+def runtime_columns(entries: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The runtime classes to show: all but the rare ones no entry has."""
+    return tuple(
+        c for c in RUNTIME_CLASSES if c not in _RARE_CLASSES or any(_secs(e, c) for e in entries)
+    )
+
+
+def _table(title: str, classes: tuple[str, ...], entries: list[tuple[str, Any]]) -> list[str]:
+    widths = [max(8, len(c) + 2) for c in classes]
+    cols = list(zip(classes, widths, strict=True))
+    lines = [title, f"{'stage':<6}" + "".join(f"{c:>{w}}" for c, w in cols)]
     for name, e in entries:
-        cells = "".join(f"{_pct(e['bubbles_s'][c], e['window_s']):>11}" for c in BUBBLE_CLASSES)
+        cells = "".join(f"{_pct(_secs(e, c), e['window_s']):>{w}}" for c, w in cols)
+        lines.append(f"{name:<6}{cells}")
+    return lines
+
+
+def _bubble_rows(summary: dict[str, Any]) -> list[str]:
+    entries = [(str(e["stage"]), e) for e in summary["stages"]] + [("all", summary["overall"])]
+    head = f"{'stage':<6}{'bubble':>8}{'shape':>9}{'runtime':>9}{'no_work':>9}"
+    lines = [head + f"{'fill+drain':>12}"]
+    for name, e in entries:
+        f = family_secs(e)
+        cells = "".join(f"{_pct(f[k], e['window_s']):>9}" for k in ("shape", "runtime", "no_work"))
         lines.append(f"{name:<6}{e['bubble_fraction']:>8.1%}{cells}{e['fill_drain_s']:>11.4f}s")
+    lines += _table("shape classes (what SARATHI removes):", SHAPE_CLASSES, entries)
+    runtime = runtime_columns([e for _, e in entries])
+    lines += _table("runtime classes (what the runtime adds; load: the load's own share):",
+                    runtime, entries)  # fmt: skip
     lines.append(
         "(bubble and classes: share of the stage's window; fill+drain: idle seconds outside it)"
     )
@@ -169,13 +211,14 @@ def format_comparison(names: list[str], summaries: list[dict[str, Any]]) -> str:
                 ],
             )
         )
-    for c in BUBBLE_CLASSES:
-        lines.append(
-            row(
-                f"  {c} (of window)",
-                [_pct(s["overall"]["bubbles_s"][c], s["overall"]["window_s"]) for s in summaries],
-            )
-        )
+    overall = [s["overall"] for s in summaries]
+    runtime = runtime_columns(overall)
+    families = (("shape", SHAPE_CLASSES), ("runtime", runtime), ("no_work", ()))
+    for family, classes in families:
+        cells = [_pct(family_secs(o)[family], o["window_s"]) for o in overall]
+        lines.append(row(f"  {family} (of window)", cells))
+        for c in classes:
+            lines.append(row(f"    {c}", [_pct(_secs(o, c), o["window_s"]) for o in overall]))
     for other, s in zip(names[1:], summaries[1:], strict=True):
         lines.append(f"{names[0]} vs {other}:")
         for label, path, unit, low, high in COMPARED:

@@ -3,6 +3,13 @@ bars under each row coloured by class, the scheduler's idle spans on a row of th
 its issue ticks and, when the log has it, the chunk_size budget as a step line), and the
 pipeline fill and drain shaded grey.
 
+The picture says what ``summary.json`` says: idle time before the steady-state window is
+drawn as ``fill`` and after it as ``drain`` (hatched grey, whatever its class: the summary
+counts it as ``fill_s``/``drain_s``, not as PB1-PB3), the bars inside the window carry the
+classes the summary counts, and the legend lists only what the picture shows. The bubble
+colours differ from the micro-batch kinds' (the ``hybrid`` bubble is not the hybrid box's
+colour). ``bubble_bars`` and ``legend_entries`` are what is drawn, as values.
+
 Drawn with matplotlib's object API on an Agg canvas (no ``pyplot``: nothing global
 changes for a caller that plots too). matplotlib is a base dependency; should it be missing,
 ``draw_timeline`` raises ``ImportError``.
@@ -13,8 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sarathi_pp.report.bubbles import BUBBLE_CLASSES, BUSY, BubbleAnalysis
-from sarathi_pp.report.log import KINDS, RunLog
+from sarathi_pp.report.bubbles import BUBBLE_CLASSES, BUSY, BubbleAnalysis, split_at
+from sarathi_pp.report.log import IDLE_REASONS, KINDS, RunLog
 from sarathi_pp.report.trace import merge_segments
 
 KIND_COLORS = {"prefill": "#3b6fb6", "decode": "#5fb35f", "hybrid": "#9a6fc4"}
@@ -22,13 +29,20 @@ CLASS_COLORS = {
     "PB1": "#d62728",
     "PB2": "#ff7f0e",
     "PB3": "#e6c229",
-    "hybrid": "#e377c2",
+    "hybrid": "#f4a6a6",  # salmon: apart from the hybrid micro-batch's purple
     "comm": "#17becf",
-    "dependency": "#8c564b",
+    "load": "#393b79",
+    "in_flight": "#8c564b",
+    "token_return": "#d6616b",
+    "driver": "#637939",
     "schedule": "#7f7f7f",
+    "dispatch": "#00a087",
+    "dependency": "#a55194",
     "recovery": "#bcbd22",
     "no_work": "#1a1a1a",
 }
+FILL_DRAIN = ("fill", "drain")  # idle time outside the steady-state window
+FILL_DRAIN_STYLE = {"facecolors": "#d9d9d9", "edgecolor": "#9a9a9a", "hatch": "////"}
 LABEL_MAX_MICROBATCHES = 40  # above this many per stage the boxes are too narrow for ids
 BOX = (0.42, 0.5)  # a stage row's micro-batch boxes: (bottom offset, height)
 BAR = (0.12, 0.22)  # its bubble bar under them
@@ -68,26 +82,62 @@ def _stage_rows(ax: Any, log: RunLog, analysis: BubbleAnalysis, scale: float) ->
                     fontsize=6,
                     color="white",
                 )
-        segs = [g for g in merge_segments(analysis.segments[s]) if g.label != BUSY]
-        for cls in BUBBLE_CLASSES:
-            spans = [(g.start * scale, (g.end - g.start) * scale) for g in segs if g.label == cls]
+        bars = bubble_bars(analysis, s)
+        for cls in (*BUBBLE_CLASSES, *FILL_DRAIN):
+            spans = [(a * scale, (b - a) * scale) for a, b, label in bars if label == cls]
+            if not spans:
+                continue
             # an edge as wide as a pixel keeps sub-pixel gaps visible in a long run
-            ax.broken_barh(
-                spans,
-                (y + BAR[0], BAR[1]),
-                facecolors=CLASS_COLORS[cls],
-                edgecolor=CLASS_COLORS[cls],
-                linewidth=0.5,
+            style = (
+                {**FILL_DRAIN_STYLE, "linewidth": 0.3}
+                if cls in FILL_DRAIN
+                else {"facecolors": CLASS_COLORS[cls], "edgecolor": CLASS_COLORS[cls]}
             )
+            ax.broken_barh(spans, (y + BAR[0], BAR[1]), **{"linewidth": 0.5, **style})
+
+
+def bubble_bars(analysis: BubbleAnalysis, s: int) -> list[tuple[float, float, str]]:
+    """Stage ``s``'s idle time as drawn: ``(start, end, label)``, the class inside the
+    steady-state window, ``fill`` before it and ``drain`` after it (a run without a steady
+    state: its whole span is the window, as in the summary)."""
+    w = analysis.window
+    segs = split_at(merge_segments(analysis.segments[s]), (w.start, w.end))
+    out = []
+    for g in segs:
+        if g.label == BUSY or g.end <= g.start:
+            continue
+        label = g.label
+        if w.steady_state and g.end <= w.start:
+            label = "fill"
+        elif w.steady_state and g.start >= w.end:
+            label = "drain"
+        out.append((g.start, g.end, label))
+    return out
+
+
+def legend_entries(log: RunLog, analysis: BubbleAnalysis) -> list[tuple[str, str]]:
+    """``(label, key)`` of what the picture shows, in a fixed order: the micro-batch kinds
+    that ran (key: the kind), the bubble classes drawn, ``fill/drain`` when drawn, and the
+    scheduler's idle reasons (key: ``idle:<reason>``)."""
+    kinds = {e.kind for e in log.stages[0]}
+    drawn = {label for s in range(log.num_stages) for *_, label in bubble_bars(analysis, s)}
+    reasons = {i.reason for i in log.idles if i.end > i.start}
+    out = [(f"{k} micro-batch", k) for k in KINDS if k in kinds]
+    out += [(f"bubble: {c}", c) for c in BUBBLE_CLASSES if c in drawn]
+    if drawn & set(FILL_DRAIN):
+        out.append(("fill / drain (idle outside the window)", "fill"))
+    out += [(f"scheduler idle: {r}", f"idle:{r}") for r in IDLE_REASONS if r in reasons]
+    return out
 
 
 def _scheduler_row(ax: Any, log: RunLog, scale: float) -> None:
     y = log.num_stages
-    for reason in ("no_work", "dependency", "recovery"):
+    for reason in IDLE_REASONS:
         spans = [
             (i.start * scale, (i.end - i.start) * scale) for i in log.idles if i.reason == reason
         ]
-        ax.broken_barh(spans, (y + BAR[0], BAR[1]), facecolors=CLASS_COLORS[reason])
+        if spans:
+            ax.broken_barh(spans, (y + BAR[0], BAR[1]), facecolors=CLASS_COLORS[reason])
     ts = [i.t * scale for i in log.issues]
     ax.vlines(ts, y + 0.4, y + 0.8, colors="#444444", linewidth=0.5)
 
@@ -140,11 +190,21 @@ def _shade_fill_drain(ax: Any, analysis: BubbleAnalysis, scale: float) -> None:
             )
 
 
-def _legend(fig: Any, ax: Any) -> None:
+def _legend(fig: Any, log: RunLog, analysis: BubbleAnalysis) -> None:
     from matplotlib.patches import Patch
 
-    handles = [Patch(color=KIND_COLORS[k], label=f"{k} micro-batch") for k in KINDS]
-    handles += [Patch(color=CLASS_COLORS[c], label=f"bubble: {c}") for c in BUBBLE_CLASSES]
+    handles = []
+    for label, key in legend_entries(log, analysis):
+        if key in KIND_COLORS:
+            handles.append(Patch(color=KIND_COLORS[key], label=label))
+        elif key == "fill":
+            st = FILL_DRAIN_STYLE
+            handles.append(
+                Patch(facecolor=st["facecolors"], edgecolor=st["edgecolor"], hatch=st["hatch"],
+                      label=label)
+            )  # fmt: skip
+        else:
+            handles.append(Patch(color=CLASS_COLORS[key.removeprefix("idle:")], label=label))
     fig.legend(handles=handles, loc="lower center", ncol=6, fontsize=7, frameon=False)
 
 
@@ -170,7 +230,7 @@ def draw_timeline(
     ax.set_axisbelow(True)
     if title:
         ax.set_title(title, fontsize=9, loc="left")
-    _legend(fig, ax)
+    _legend(fig, log, analysis)
     fig.savefig(path)
 
 

@@ -28,5 +28,6 @@ def head_window(log: RunLog, num_microbatches: int = MAX_DRAWN_MICROBATCHES) -> 
         ),
         issues=tuple(i for i in log.issues if i.mb in kept),
         dones=tuple(d for d in log.dones if d[0] in kept),
+        waits=tuple(w for w in log.waits if w.mb in kept),
         chunk_sizes=tuple(c for c in log.chunk_sizes if c[0] <= end),
     )

@@ -44,15 +44,18 @@ class BubbleWindow:
             with self._lock:
                 self._log.idle(now, reason)
 
-    def issued(self, mb: Any, now: float) -> None:
+    def issued(self, mb: Any, now: float, submit: float | None = None) -> None:
         with self._lock:
             self._log.issue(
-                mb.microbatch_id, now, mb.kind, mb.num_prefill_tokens, mb.num_decode_tokens
-            )
+                mb.microbatch_id, now, mb.kind, mb.num_prefill_tokens, mb.num_decode_tokens,
+                submit,
+            )  # fmt: skip
 
-    def completed(self, mb: Any, result: Any, now: float) -> None:
+    def completed(
+        self, mb: Any, result: Any, now: float, wait: float | None = None, full: bool | None = None
+    ) -> None:
         with self._lock:
-            self._log.done(mb.microbatch_id, now)
+            self._log.done(mb.microbatch_id, now, wait, full)
             for e in result.events:
                 self._log.stage(e)
             self._since_trim += 1 + len(result.events)

@@ -63,14 +63,14 @@ class _StageTimes:
         self.recorder.idle(now, reason)
         self.window.idle(now, reason)
 
-    def issued(self, microbatch: Any, now: float) -> None:
-        self.recorder.issued(microbatch, now)
-        self.window.issued(microbatch, now)
+    def issued(self, microbatch: Any, now: float, **timing: Any) -> None:
+        self.recorder.issued(microbatch, now, **timing)
+        self.window.issued(microbatch, now, **timing)
 
-    def completed(self, microbatch: Any, result: Any, now: float) -> None:
-        self.recorder.completed(microbatch, result, now)
+    def completed(self, microbatch: Any, result: Any, now: float, **timing: Any) -> None:
+        self.recorder.completed(microbatch, result, now, **timing)
         self.metrics.stage_events(result.events)
-        self.window.completed(microbatch, result, now)
+        self.window.completed(microbatch, result, now, **timing)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.recorder, name)
