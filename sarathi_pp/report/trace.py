@@ -6,7 +6,11 @@ event per micro-batch, named ``mb <id> <kind>``, token counts in ``args``) and
 ``fill``, ``steady`` or ``drain``). A last process, "scheduler", holds the ``issue``
 instants, the scheduler's ``idle`` spans (named by reason), the ``done`` instants and a
 ``chunk_size`` counter (the token budget in force, one sample per record and one at the
-run's end to draw the last step). Times are microseconds from the event log's ``t0``.
+run's end to draw the last step); where the log records them (schema 2), a thread
+``driver waits`` (``wait mb <id>``: the driver waiting for its tokens; ``args.full``: the
+in-flight limit held the next micro-batch back) and a thread ``dispatch`` (``dispatch mb
+<id>``: handed to the executor until stage 0 has it). Times are microseconds from the
+event log's ``t0``.
 """
 
 from __future__ import annotations
@@ -119,7 +123,18 @@ def stage_events(log: RunLog, analysis: BubbleAnalysis, s: int) -> list[dict[str
 
 
 def scheduler_events(log: RunLog, pid: int, run_end: float | None = None) -> list[dict[str, Any]]:
-    out = _meta(pid, "scheduler", {0: "scheduler"})
+    out = _meta(pid, "scheduler", {0: "scheduler", 1: "driver waits", 2: "dispatch"})
+    first = log.by_mb(0)
+    for i in log.issues:
+        e = first.get(i.mb)
+        if i.submit is not None and e is not None and e.input_ready > i.submit:
+            args = {"mb": i.mb}
+            out.append(
+                _span(pid, 2, f"dispatch mb {i.mb}", "dispatch", i.submit, e.input_ready, args)
+            )
+    for w in log.waits:
+        args = {"mb": w.mb, "full": w.full}
+        out.append(_span(pid, 1, f"wait mb {w.mb}", "wait", w.start, w.end, args))
     for i in log.issues:
         out.append(
             _instant(

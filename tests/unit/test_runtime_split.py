@@ -175,3 +175,16 @@ def test_bad_done_wait_is_a_clear_error():
     records[-1] = done(3, 6.0, 6.5)
     with pytest.raises(ValueError, match="wait"):
         parse_log(records, "test/events.jsonl")
+
+
+def test_trace_shows_the_driver_waits_and_dispatch():
+    from sarathi_pp.report.trace import scheduler_events
+
+    log = parse_log(saturated_log(), "x")
+    spans = {e["name"]: e for e in scheduler_events(log, 3) if e["ph"] == "X"}
+    wait, dispatch = spans["wait mb 3"], spans["dispatch mb 2"]
+    assert wait["tid"] == 1 and wait["args"] == {"mb": 3, "full": False}
+    assert wait["ts"] == pytest.approx(5.1e6) and wait["dur"] == pytest.approx(0.9e6)
+    assert dispatch["tid"] == 2 and dispatch["dur"] == pytest.approx(0.1e6)
+    old = parse_log(saturated_log(driver_records=False), "x")
+    assert not any(e["name"].startswith(("wait", "dispatch")) for e in scheduler_events(old, 3))
