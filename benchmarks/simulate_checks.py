@@ -104,12 +104,14 @@ def measured_overheads(run_dir: Path) -> dict[str, float]:
 
 
 # --- this machine -----------------------------------------------------------------------------
-def machine(out: Path, repeats: int, num_requests: int | None) -> list[str]:
+def machine(out: Path, repeats: int, num_requests: int | None, cached: bool = False) -> list[str]:
     lines = [f"### This machine (profiled model), {load()} at the start", ""]
     lines += ["| PP | workload | scheduler | tokens/s meas / sim | TBT p50 ms meas / sim | "
               "TBT p99 ms meas / sim | bubble frac meas / sim |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for pp, config in ((1, "configs/tiny-llama.yaml"), (2, "configs/tiny-llama-pp2.yaml")):
         csv = out / f"profile-pp{pp}.csv"
+        if cached and not csv.exists():
+            continue
         if not csv.exists():
             sh(["profile", "--config", config, "--output", str(csv)], out / f"profile-pp{pp}.log")
         for wl in ("bubbles", "pipeline-scaling"):
@@ -117,11 +119,15 @@ def machine(out: Path, repeats: int, num_requests: int | None) -> list[str]:
             meas = []
             for k in range(repeats):
                 d = out / f"meas-pp{pp}-{wl}-{k}"
+                if cached and not (d / "comparison.json").exists():
+                    break
                 if not (d / "comparison.json").exists():
                     sh(["bench", "--config", config, "--workload", f"configs/workloads/{wl}.yaml",
                         "--schedulers", ",".join(SCHEDULERS), "--run-dir", str(d), "--overwrite",
                         "--no-progress", *extra], out / f"{d.name}.log")  # fmt: skip
                 meas.append(comparison(d))
+            if not meas:
+                continue
             oh = measured_overheads(out / f"meas-pp{pp}-{wl}-0" / "sarathi")
             d = out / f"sim-pp{pp}-{wl}"
             sh(["simulate", "--config", config, "--profile", str(csv), "--workload",
@@ -261,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="measured runs per point (median)")
     p.add_argument("--num-requests", type=int, default=None, help="machine: fewer requests")
     p.add_argument("--gpt3-requests", type=int, default=10000)
+    p.add_argument(
+        "--cached", action="store_true", help="machine: only the measured runs already on disk"
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -268,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         "speed": lambda: speed(out),
         "paper": lambda: paper(out),
         "gpt3": lambda: gpt3(out, args.gpt3_requests),
-        "machine": lambda: machine(out, args.repeats, args.num_requests),
+        "machine": lambda: machine(out, args.repeats, args.num_requests, args.cached),
     }
     for name in args.parts.split(","):
         lines = parts[name]()
