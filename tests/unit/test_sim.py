@@ -383,3 +383,20 @@ def test_simulate_capacity(model_dir: Path, tmp_path: Path, capsys):
     assert rc == 0
     cap = json.loads((tmp_path / "cap" / "sarathi" / "capacity.json").read_text())
     assert len(cap["probes"]) == 3 and cap["capacity_rps"] == 4.0  # 1, 2, 4 req/s all met
+
+
+def test_least_loaded_routing_picks_the_fewest_unfinished(model_dir: Path):
+    config = make_config(model=str(model_dir))
+    setup = SimSetup(hardware=hardware_from_dict(HW, "toy"), replicas=3, routing="least_loaded")
+    cluster = build_cluster(config, setup)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    def add(i: int, rid: str) -> None:
+        cluster.engines[i].add_request(rid, None, params, prompt_token_ids=[5] * 8)
+
+    add(0, "a"), add(0, "b"), add(1, "c")
+    assert cluster._route(0) == 2  # loads 2, 1, 0
+    add(2, "d")
+    assert cluster._route(1) == 1  # loads 2, 1, 1: the lowest index of the least loaded
+    rr = build_cluster(config, SimSetup(hardware=hardware_from_dict(HW, "toy"), replicas=3))
+    assert [rr._route(k) for k in range(5)] == [0, 1, 2, 0, 1]
