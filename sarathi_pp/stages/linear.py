@@ -22,13 +22,20 @@ import os
 import torch
 import torch.nn.functional as F
 
+# Smaller weights stay on F.linear: MKL runs them on one thread, oneDNN always opens a
+# parallel region, whose fixed cost dominates tiny matmuls (and on a busy machine a thread may
+# wait a whole time slice for a core: a 2-layer hidden-64 test model stepped 8x slower).
+MIN_PACKED_ELEMENTS = 1 << 18
+
 
 def onednn_usable(weight: torch.Tensor) -> bool:
-    """Prepack ``weight``? CPU, float32, a torch built with oneDNN, not turned off."""
+    """Prepack ``weight``? CPU, float32, at least ``MIN_PACKED_ELEMENTS``, a torch built
+    with oneDNN, not turned off."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.float32
         and weight.dim() == 2
+        and weight.numel() >= MIN_PACKED_ELEMENTS
         and torch.backends.mkldnn.is_available()
         and os.environ.get("SARATHI_PP_ONEDNN_LINEAR", "1") != "0"
     )

@@ -42,6 +42,10 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 
+/* Below this many multiply-adds per thread a thread costs more than it saves (and on a busy
+   machine a started thread may wait a whole time slice for a core). */
+#define MIN_WORK_PER_THREAD (1 << 20)
+
 typedef struct {
     const float *q, *k, *v;
     const int64_t *tables, *lens;
@@ -144,7 +148,12 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int64
                      int num_threads) {
     job_t j = {q, k, v, tables, lens, table_stride, out, num_seqs, heads, kv_heads, head_dim,
                block_size, 1, 0, scale};
-    for (int b = 0; b < num_seqs; b++) if (lens[b] > j.max_len) j.max_len = (int)lens[b];
+    int64_t work = 0;  /* multiply-adds of the scores: split only work worth a thread */
+    for (int b = 0; b < num_seqs; b++) {
+        if (lens[b] > j.max_len) j.max_len = (int)lens[b];
+        work += lens[b] * heads * head_dim;
+    }
+    if (num_threads > 1 + work / MIN_WORK_PER_THREAD) num_threads = 1 + work / MIN_WORK_PER_THREAD;
     if (num_threads > num_seqs) num_threads = num_seqs;
     if (num_threads > 64) num_threads = 64;
     if (num_threads < 1) num_threads = 1;
