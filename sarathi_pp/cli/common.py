@@ -157,6 +157,10 @@ def sigterm_as_interrupt() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, handler)
+        # Python leaves SIGINT ignored when it started ignored (a background job of a
+        # script, a parent that ignores it): SIGTERM would then stop nothing.
+        if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def received_signal() -> int | None:
