@@ -69,3 +69,15 @@ def ray_cluster():
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def python_ctrl_c():
+    """Ctrl-C as Python sets it up in a fresh process (an earlier test of the session may
+    have left SIGINT ignored, which a child process inherits too)."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

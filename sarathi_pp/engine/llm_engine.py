@@ -26,11 +26,11 @@ from sarathi_pp.config import (
     SchedulerConfig,
 )
 from sarathi_pp.engine.input_processor import InputProcessor, arrival_or_now, as_token_ids
-from sarathi_pp.engine.interrupts import deferred_interrupts
 from sarathi_pp.engine.output_processor import OutputProcessor
 from sarathi_pp.engine.pipeline_faults import PipelineFaults
 from sarathi_pp.engine.recorder import NullRecorder, Recorder, RunRecorder
 from sarathi_pp.executors import Executor, create_executor
+from sarathi_pp.interrupts import deferred_interrupts
 from sarathi_pp.microbatch import MicroBatch, StepResult
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.placement.partition import check_num_stages
@@ -234,7 +234,10 @@ class LLMEngine(PipelineFaults):
         """Issue every micro-batch the scheduler can, up to the in-flight limit."""
         while len(self._inflight) < self.max_inflight:
             now = self.now()
-            with deferred_interrupts():  # scheduled and tracked, or neither
+            # Scheduled, tracked and handed to every stage, or none of it: a Ctrl-C between
+            # two stages' submissions would leave one stage a micro-batch behind the other
+            # on their activation channel (the next run's micro-batch would meet a stale one).
+            with deferred_interrupts():
                 self.recorder.before_schedule(now, self.scheduler)
                 microbatch = self.scheduler.schedule(now)
                 if microbatch is None:
@@ -242,7 +245,7 @@ class LLMEngine(PipelineFaults):
                     return
                 self.recorder.issued(microbatch, now, submit=self.now())
                 self._inflight.append(microbatch)
-            self.executor.submit(microbatch)
+                self.executor.submit(microbatch)
         # the in-flight limit holds the next micro-batch back
         self.recorder.idle(self.now(), IDLE_DEPENDENCY)
 

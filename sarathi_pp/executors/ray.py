@@ -21,6 +21,7 @@ from collections import deque
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.executors.base import StageError, StageLost
+from sarathi_pp.interrupts import deferred_interrupts
 from sarathi_pp.microbatch import MicroBatch, StepResult
 from sarathi_pp.placement import (
     Placement,
@@ -202,8 +203,12 @@ class RayExecutor:
         self._inflight.append((microbatch, self._run(microbatch)))
 
     def _run(self, microbatch: MicroBatch) -> list:
-        """Every stage's ``run`` of ``microbatch`` (none for an empty one)."""
-        return [a.run.remote(microbatch) for a in self.actors] if microbatch.chunks else []
+        """Every stage's ``run`` of ``microbatch`` (none for an empty one); a Ctrl-C waits
+        until every stage has it (``_isolate`` resubmits outside the engine's guard)."""
+        if not microbatch.chunks:
+            return []
+        with deferred_interrupts():
+            return [a.run.remote(microbatch) for a in self.actors]
 
     def wait_oldest(self) -> tuple[MicroBatch, StepResult]:
         microbatch, refs = self._inflight.popleft()

@@ -94,7 +94,7 @@ def test_a_stalled_stage_times_out_keeping_finished_outputs(ray_cluster, llama_d
     assert llm.engine.executor.actors == [] and not llm.engine.is_alive()
 
 
-def test_ctrl_c_mid_run_then_clean_outputs(ray_cluster, llama_dir, reference):
+def test_ctrl_c_mid_run_then_clean_outputs(ray_cluster, llama_dir, reference, python_ctrl_c):
     with LLM(str(llama_dir), **BASE) as llm:
         timers: list[threading.Timer] = []
 
@@ -110,6 +110,38 @@ def test_ctrl_c_mid_run_then_clean_outputs(ray_cluster, llama_dir, reference):
         start = time.monotonic()
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert time.monotonic() - start < 10
+        assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+class CtrlCBetweenStages:
+    """Stage 1's real actor handle, except that the SIGINT of a Ctrl-C arrives just before
+    micro-batch ``at`` is handed to it, when stage 0 already has it: the one point where
+    a torn hand-over would leave stage 1 a micro-batch behind on the activation channel."""
+
+    def __init__(self, actor, at: int) -> None:
+        self.actor, self.at, self.fired = actor, at, False
+        self.run = self  # ``handle.run.remote(mb)``
+
+    def remote(self, microbatch):
+        if not self.fired and microbatch.microbatch_id >= self.at:
+            self.fired = True
+            signal.raise_signal(signal.SIGINT)  # Python runs the handler right here
+        return self.actor.run.remote(microbatch)
+
+
+def test_ctrl_c_while_a_micro_batch_is_handed_to_the_stages(
+    ray_cluster, llama_dir, reference, python_ctrl_c
+):
+    with LLM(str(llama_dir), **BASE) as llm:
+        actors = llm.engine.executor.actors
+        real, actors[1] = actors[1], CtrlCBetweenStages(actors[1], at=6)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(PROMPTS * 4, GREEDY, use_tqdm=False)
+        finally:
+            fired, actors[1] = actors[1].fired, real
+        assert fired and free_blocks(llm) and not llm.engine.has_unfinished_requests()
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # no stale micro-batch met
         assert [o.outputs[0].token_ids for o in outs] == reference
 
 

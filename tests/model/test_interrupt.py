@@ -18,14 +18,7 @@ LONG = SamplingParams(max_tokens=450, temperature=0.0, ignore_eos=True)  # ~2 s 
 PROMPTS = [[5 + i, 17, 33 + i, 2, 90 - i] * (3 + i) for i in range(4)]
 
 
-@pytest.fixture(autouse=True)
-def python_ctrl_c():
-    """Ctrl-C as Python sets it up in a fresh process (an earlier test of the session may
-    have left SIGINT ignored, which a child process inherits too)."""
-    before = signal.getsignal(signal.SIGINT)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, before)
+pytestmark = pytest.mark.usefixtures("python_ctrl_c")
 
 
 def interrupt_after(delay_s: float) -> threading.Timer:

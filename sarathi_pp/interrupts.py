@@ -1,7 +1,9 @@
 """Ctrl-C without torn state: ``deferred_interrupts`` holds a SIGINT back while the engine
 updates its bookkeeping (a scheduling decision and its tracking, or applying a
-micro-batch's tokens and stop checks), then raises ``KeyboardInterrupt`` at the end of the
-block. Everything else in a step (a forward pass, waiting for the stages) may be
+micro-batch's tokens and stop checks) or hands a micro-batch to the stages (every stage
+gets it or none does: their activation channels stay in step), then raises
+``KeyboardInterrupt`` at the end of the block (on one process the hand-over is the forward
+pass itself: Ctrl-C lands when it ends). Waiting for the stages' results may be
 interrupted: the engine then abandons the micro-batches in flight and recomputes their
 sequences (``Scheduler.on_microbatches_lost``), so no state is left half-updated.
 
