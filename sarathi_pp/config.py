@@ -22,7 +22,7 @@ from sarathi_pp.faults import parse_faults
 GiB = 1 << 30
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-EXECUTORS = ("auto", "uniproc", "ray", "torchrun")
+EXECUTORS = ("auto", "uniproc", "ray", "ray_compiled", "torchrun")
 # The scheduler policies (``scheduler/registry.py`` maps each to its class).
 SCHEDULER_POLICIES = ("sarathi", "vllm", "orca", "simple_chunking")
 BUILTIN_PREFIX = "builtin:"  # model.path of a model the project builds itself
@@ -162,8 +162,10 @@ class ParallelConfig:
     num_microbatches_in_flight: int | None = None
     """Plans outstanding at once; ``None`` = ``pipeline_parallel_size``."""
     executor: str = "auto"
-    """``uniproc`` (one process), ``ray`` (one actor per stage) or ``torchrun`` (set by the
-    torchrun launcher); ``auto`` = ``uniproc`` for one stage, else ``ray``."""
+    """``uniproc`` (one process), ``ray`` (one actor per stage, a Ray task per stage per
+    micro-batch, hidden states over torch.distributed), ``ray_compiled`` (the same actors
+    driven by one Ray Compiled Graph: hidden states over its channels) or ``torchrun`` (set
+    by the torchrun launcher); ``auto`` = ``uniproc`` for one stage, else ``ray``."""
     num_threads_per_stage: int | None = None
     """CPU threads of each stage process; ``None`` = max(1, usable cores // stages)."""
     stage_timeout_s: float = 300.0

@@ -1,7 +1,8 @@
 """What the engine needs of an executor, and the registry it finds one in.
 
 An executor runs micro-batches on the pipeline's stages: ``uniproc`` (one stage in this
-process), ``ray`` (one actor per stage) or ``torchrun`` (one rank per stage). The engine
+process), ``ray`` (one actor per stage), ``ray_compiled`` (the same actors in one Ray
+Compiled Graph) or ``torchrun`` (one rank per stage). The engine
 reaches them by name through ``create_executor``, whose lazy imports keep the engine loop
 free of torch, torch.distributed and Ray (the simulator drives the same loop).
 
@@ -59,6 +60,7 @@ class Executor(Protocol):
 _EXECUTORS = {
     "uniproc": "sarathi_pp.executors.uniproc:UniprocExecutor",
     "ray": "sarathi_pp.executors.ray:RayExecutor",
+    "ray_compiled": "sarathi_pp.executors.ray_compiled:RayCompiledExecutor",
     "torchrun": "sarathi_pp.executors.torchrun:TorchrunExecutor",
 }
 assert set(_EXECUTORS) == set(EXECUTORS) - {"auto"}, (_EXECUTORS, EXECUTORS)

@@ -138,11 +138,16 @@ class RayExecutor:
                     name=None,
                 ).remote(StageSpec.of(placement, i), checkpoint, config.parallel)
             )
+        self._connect_stages()
+        self.clock_offsets = [self._clock_offset(a) for a in self.actors]
+
+    def _connect_stages(self) -> None:
+        """The stages' data plane: a ``torch.distributed`` process group (gloo on CPU, NCCL
+        on CUDA) for their send/recv of hidden states."""
         # On one node the stages' rendezvous and gloo stay on loopback (nothing listens outside).
         loopback = self._stages_share_a_node()
         addr, port = self._get([self.actors[0].address.remote(loopback)], "rendezvous")[0]
         self._get([a.init_group.remote(addr, port) for a in self.actors], "process group set-up")
-        self.clock_offsets = [self._clock_offset(a) for a in self.actors]
 
     def _stages_share_a_node(self) -> bool:
         """Whether the placement group put every stage on one node (then they can meet on

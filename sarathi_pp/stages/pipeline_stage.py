@@ -52,6 +52,7 @@ class PipelineStage:
         self.transport: StageTransport | None = None
         self._listener: socket.socket | None = None  # stage 0's rendezvous, from address()
         self._free_since = time.monotonic()  # when the stage last became free
+        self.progress_started = self.progress_done = -1  # micro-batch ids (run_compiled)
 
     # --- set-up ------------------------------------------------------------------------------
     def address(self, loopback: bool = False) -> tuple[str, int]:
@@ -158,6 +159,54 @@ class PipelineStage:
             self._free_since,
         )
         return result, event
+
+    def run_compiled(
+        self, microbatch: MicroBatch, incoming: tuple | None = None
+    ) -> tuple | StepResult:
+        """``run`` for a Ray Compiled Graph (``executors/ray_compiled.py``): the hidden
+        states arrive as ``incoming`` and leave as the return value, over the graph's
+        channels (shared memory on one node, NCCL between GPUs), with the timings of the
+        stages before. ``incoming`` = ``(hidden, events, failure)`` from the previous stage
+        (``None`` on stage 0); the last stage returns the ``StepResult`` with every stage's
+        event. A stage that raises passes the failure on and the stages after it skip the
+        micro-batch (nothing waits on a channel for it); the executor retries its sequences
+        one at a time, as on the other path."""
+        s = self.stage
+        wait_start, arrived = self._free_since, time.monotonic()
+        self.progress_started = microbatch.microbatch_id
+        hidden, events, failure = incoming if incoming is not None else (None, [], None)
+        out = None
+        if failure is None:
+            try:
+                self.faults.before(microbatch)
+                out = self.worker.execute(microbatch, hidden)
+            except Exception as e:  # noqa: BLE001 - isolated by the executor's retry
+                logger.exception(
+                    "stage %d: micro-batch %d failed", s.stage_idx, microbatch.microbatch_id
+                )
+                failure = f"stage {s.stage_idx}: {type(e).__name__}: {e}"
+        end = self._free_since = time.monotonic()
+        self.progress_done = microbatch.microbatch_id
+        event = StageEvent(
+            s.stage_idx, microbatch.microbatch_id, microbatch.kind,
+            microbatch.num_prefill_tokens, microbatch.num_decode_tokens,
+            min(wait_start, arrived), arrived, arrived, end, end,
+        )  # fmt: skip
+        events = [*events, event]
+        if not s.is_last:
+            return out, events, failure
+        result = StepResult(failure=failure) if failure is not None else to_step_result(out)
+        result.events = events
+        return result
+
+    def progress(self) -> tuple[int, int]:
+        """The last micro-batch this stage started and the last it finished (-1: none),
+        answered beside a running compiled graph: which stage holds a late micro-batch."""
+        return self.progress_started, self.progress_done
+
+    def group_initialized(self) -> bool:
+        """Whether this process joined a ``torch.distributed`` group (not for a graph)."""
+        return torch.distributed.is_available() and torch.distributed.is_initialized()
 
     def clock(self) -> float:
         """This process's clock, for the driver to measure the offset between processes."""

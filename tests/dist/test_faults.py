@@ -1,7 +1,8 @@
-"""Faults at PP=2 over Ray (real actors, gloo): a request that makes a stage raise fails
-alone; a killed stage actor is replaced and the outputs equal an undisturbed run; a stage
-that stalls past the timeout is a clear error that releases every actor; Ctrl-C mid-run
-leaves the engine usable with clean outputs."""
+"""Faults at PP=2 over Ray (real actors), through both Ray executors (``ray``: a task per
+stage, gloo; ``ray_compiled``: one Ray Compiled Graph): a request that makes a stage raise
+fails alone; a killed stage actor is replaced and the outputs equal an undisturbed run; a
+stage that stalls past the timeout is a clear error that releases every actor; Ctrl-C
+mid-run leaves the engine usable with clean outputs."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ PROMPTS = [[7 + i, 40, 3 * i + 1, 99, 5] * (2 + i) for i in range(6)]
 BASE = dict(pipeline_parallel_size=2, max_model_len=256, chunk_size=32, dtype="float32")
 
 
+@pytest.fixture(params=["ray", "ray_compiled"])
+def executor(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def reference(llama_dir):
     with LLM(str(llama_dir), max_model_len=256, dtype="float32") as pp1:
@@ -35,9 +41,14 @@ def free_blocks(llm: LLM) -> bool:
     return bm.num_free_blocks == bm.num_blocks
 
 
-def test_a_poisoned_request_fails_alone(ray_cluster, llama_dir, reference):
+def test_a_poisoned_request_fails_alone(ray_cluster, llama_dir, reference, executor):
     # sequence 2 (the third prompt) makes stage 1 raise whenever it is in a micro-batch
-    with LLM(str(llama_dir), **BASE, **{"parallel.inject_fault": "raise@stage=1,seq=2"}) as llm:
+    with LLM(
+        str(llama_dir),
+        **BASE,
+        executor=executor,
+        **{"parallel.inject_fault": "raise@stage=1,seq=2"},
+    ) as llm:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert outs[2].outputs[0].finish_reason == "error"
         assert "injected fault on stage 1" in outs[2].error
@@ -47,9 +58,11 @@ def test_a_poisoned_request_fails_alone(ray_cluster, llama_dir, reference):
         assert free_blocks(llm) and llm.engine.is_alive()
 
 
-def test_a_killed_stage_is_replaced_and_outputs_equal(ray_cluster, llama_dir, reference, tmp_path):
+def test_a_killed_stage_is_replaced_and_outputs_equal(
+    ray_cluster, llama_dir, reference, tmp_path, executor
+):
     run = tmp_path / "run"
-    with LLM(str(llama_dir), **BASE, run_dir=str(run)) as llm:
+    with LLM(str(llama_dir), **BASE, executor=executor, run_dir=str(run)) as llm:
         old = list(llm.engine.executor.actors)
         killed: list[int] = []
 
@@ -68,8 +81,8 @@ def test_a_killed_stage_is_replaced_and_outputs_equal(ray_cluster, llama_dir, re
     assert any(r["reason"] == "recovery" for r in idles)
 
 
-def test_no_restart_left_is_a_clear_error_then_a_dead_engine(ray_cluster, llama_dir):
-    llm = LLM(str(llama_dir), **BASE, max_stage_restarts=0, stage_timeout_s=30)
+def test_no_restart_left_is_a_clear_error_then_a_dead_engine(ray_cluster, llama_dir, executor):
+    llm = LLM(str(llama_dir), **BASE, executor=executor, max_stage_restarts=0, stage_timeout_s=30)
     ray_cluster.kill(llm.engine.executor.actors[1])
     start = time.monotonic()
     with pytest.raises(StageError, match="pipeline stage 1"):
@@ -80,9 +93,17 @@ def test_no_restart_left_is_a_clear_error_then_a_dead_engine(ray_cluster, llama_
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
 
 
-def test_a_stalled_stage_times_out_keeping_finished_outputs(ray_cluster, llama_dir, reference):
+def test_a_stalled_stage_times_out_keeping_finished_outputs(
+    ray_cluster, llama_dir, reference, executor
+):
     fault = "stall@stage=1,step=12,seconds=60"  # well after the short requests finished
-    llm = LLM(str(llama_dir), **BASE, stage_timeout_s=4, **{"parallel.inject_fault": fault})
+    llm = LLM(
+        str(llama_dir),
+        **BASE,
+        executor=executor,
+        stage_timeout_s=4,
+        **{"parallel.inject_fault": fault},
+    )
     finished: dict[int, list[int]] = {}
     short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     start = time.monotonic()
@@ -94,8 +115,10 @@ def test_a_stalled_stage_times_out_keeping_finished_outputs(ray_cluster, llama_d
     assert llm.engine.executor.actors == [] and not llm.engine.is_alive()
 
 
-def test_ctrl_c_mid_run_then_clean_outputs(ray_cluster, llama_dir, reference, python_ctrl_c):
-    with LLM(str(llama_dir), **BASE) as llm:
+def test_ctrl_c_mid_run_then_clean_outputs(
+    ray_cluster, llama_dir, reference, python_ctrl_c, executor
+):
+    with LLM(str(llama_dir), **BASE, executor=executor) as llm:
         timers: list[threading.Timer] = []
 
         def ctrl_c(index, output):  # a real SIGINT 20 ms after the first request finished

@@ -59,3 +59,22 @@ def test_pp2_over_nccl_equals_pp1(llama_dir):
     ) as pp2:
         ours = [o.outputs[0].token_ids for o in pp2.generate(prompts(), GREEDY, use_tqdm=False)]
     assert ours == ref
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_pp2_compiled_graph_over_nccl_channels_equals_pp1(llama_dir):
+    """``ray_compiled`` on GPUs: the hidden states between the stages go over the graph's
+    NCCL channels (Ray's communicator, ``with_tensor_transport``), the rest over shared
+    memory. Ray Compiled Graphs need cupy for NCCL: ``pip install 'ray[cgraph]'``."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("needs Ray (pip install 'ray[default]')")
+    if importlib.util.find_spec("cupy") is None:
+        pytest.skip("needs cupy for Ray's NCCL channels (pip install 'ray[cgraph]')")
+    kw = dict(device="cuda", dtype="float32", max_model_len=512)
+    with LLM(str(llama_dir), **kw) as pp1:
+        ref = [o.outputs[0].token_ids for o in pp1.generate(prompts(), GREEDY, use_tqdm=False)]
+    with LLM(str(llama_dir), **kw, pipeline_parallel_size=2, executor="ray_compiled") as pp2:
+        ours = [o.outputs[0].token_ids for o in pp2.generate(prompts(), GREEDY, use_tqdm=False)]
+    assert ours == ref
