@@ -42,6 +42,7 @@ from sarathi_pp.microbatch import MicroBatch, StepResult
 logger = logging.getLogger(__name__)
 
 PROGRESS_TIMEOUT_S = 5.0  # asking the stages which one holds a late micro-batch
+POLL_MAX_S = 500e-6  # the longest sleep between two polls for a result
 
 
 class RayCompiledExecutor(RayExecutor):
@@ -113,6 +114,7 @@ class RayCompiledExecutor(RayExecutor):
 
         mb_id = microbatch.microbatch_id
         try:
+            self._poll_until_ready(ref, time.monotonic() + self.timeout_s)
             result = ref.get(timeout=self.timeout_s)
         except RayChannelTimeoutError:
             self._stalled = True
@@ -126,6 +128,28 @@ class RayCompiledExecutor(RayExecutor):
             raise self._graph_error(f"micro-batch {mb_id}", e) from e
         result.events = [e.shifted(off) for e, off in zip(result.events, self.clock_offsets)]
         return result
+
+    def _poll_until_ready(self, ref: Any, deadline: float) -> None:
+        """Wait for ``ref``'s result without Ray's busy-wait: a blocking ``get`` spins on
+        the output channel (39% of a core for the driver in a PP=2 run here, taken from the
+        stages on a machine with no core to spare). Poll with a zero timeout instead and
+        sleep between polls, 50 us doubling to at most 500 us (what it adds to the token
+        return). Falls back to the blocking ``get`` where Ray's internals differ."""
+        from ray.exceptions import RayChannelTimeoutError
+
+        dag = self._dag
+        index = getattr(ref, "_execution_index", None)
+        if index is None or not hasattr(dag, "_execute_until"):
+            return
+        delay = 50e-6
+        while dag._max_finished_execution_index < index:
+            try:
+                dag._execute_until(index, None, 0)
+            except RayChannelTimeoutError:
+                if time.monotonic() >= deadline:
+                    return  # the blocking get times out and says so
+                time.sleep(delay)
+                delay = min(2 * delay, POLL_MAX_S)
 
     def _late_stage(self, mb_id: int) -> int:
         """The first stage that has not finished ``mb_id`` (asked beside the graph)."""
