@@ -9,7 +9,9 @@ default model with the SARATHI scheduler (chunk 256):
 * PP=1: the single-process executor; torch limited to ``--threads-per-stage`` (1) threads
   in this process, so it is the per-core baseline;
 * PP=2: two Ray stage actors, ``num_threads_per_stage`` = ``--threads-per-stage`` each,
-  ``num_microbatches_in_flight`` = the number of stages unless ``--microbatches-in-flight``.
+  ``num_microbatches_in_flight`` = the number of stages unless ``--microbatches-in-flight``;
+  ``--executor ray_compiled`` drives them through a Ray Compiled Graph (no recv/send
+  spans then: the graph's channels carry the hidden states).
 
 Only the ``generate`` call is timed, after the engine is built and a small warm-up
 ``generate`` has run. Printed: wall time, generated tokens/s, prompt + generated tokens/s,
@@ -63,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads-per-stage", type=int, default=1, help="torch threads per stage")
     p.add_argument("--microbatches-in-flight", type=int, default=None, help="default: stages")
     p.add_argument("--scheduler", default="sarathi")
+    p.add_argument("--executor", default="ray", choices=["ray", "ray_compiled"],
+                   help="the pipelined run's executor")  # fmt: skip
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--workload", default=None, help=f"workload YAML (default {WORKLOAD})")
     p.add_argument("--num-requests", type=int, default=None, help="default: the workload's")
@@ -100,10 +104,11 @@ def install_stage_probes(stage) -> tuple[int, int]:
     threads and its niceness."""
     stage._bench_spans = {"execute": [], "recv": [], "send": []}
     _wrap(stage.worker, "execute", stage._bench_spans["execute"])
-    if not stage.stage.is_first:
-        _wrap(stage.transport, "recv", stage._bench_spans["recv"])
-    if not stage.stage.is_last:
-        _wrap(stage.transport, "send", stage._bench_spans["send"])
+    if stage.transport is not None:  # none under ray_compiled: the graph's channels
+        if not stage.stage.is_first:
+            _wrap(stage.transport, "recv", stage._bench_spans["recv"])
+        if not stage.stage.is_last:
+            _wrap(stage.transport, "send", stage._bench_spans["send"])
     return torch.get_num_threads(), os.nice(0)
 
 
@@ -171,6 +176,7 @@ def build_llm(
         pipeline_parallel_size=num_stages,
         num_threads_per_stage=args.threads_per_stage,
         num_microbatches_in_flight=args.microbatches_in_flight,
+        executor=args.executor if num_stages > 1 else "uniproc",
         block_size=BLOCK_SIZE,
         num_kv_blocks=num_blocks,
         max_model_len=max_model_len,  # the cache must hold one sequence of this length
