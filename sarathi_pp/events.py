@@ -187,6 +187,31 @@ class EventLog:
             record["full"] = bool(full)
         self._add(record)
 
+    # --- the engine loop's two moments, in one place for every consumer (the run dir's
+    # recorder and the server's bubble window): a new field reaches both or neither ---------
+    def issued(self, microbatch: Any, now: float, submit: float | None = None) -> None:
+        """``microbatch`` (a ``MicroBatch``; duck-typed: this module sits below it) was
+        scheduled from ``now`` and handed to the executor at ``submit``."""
+        mb = microbatch
+        self.issue(
+            mb.microbatch_id, now, mb.kind, mb.num_prefill_tokens, mb.num_decode_tokens, submit
+        )
+
+    def completed(
+        self,
+        microbatch: Any,
+        result: Any,
+        now: float,
+        wait: float | None = None,
+        full: bool | None = None,
+    ) -> None:
+        """``microbatch``'s tokens are here at ``now`` (a ``StepResult`` with every stage's
+        event); ``wait``: the driver began waiting for them; ``full``: the in-flight limit,
+        not the scheduler, held the next micro-batch back."""
+        self.done(microbatch.microbatch_id, now, wait, full)
+        for e in result.events:
+            self.stage(e)
+
     def chunk_size(self, t: float, chunk_size: int) -> None:
         """The scheduler's token budget is ``chunk_size`` from ``t`` on; recorded the first
         time and when it differs from the last record (so callable before every micro-batch)."""

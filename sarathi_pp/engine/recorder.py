@@ -123,11 +123,7 @@ class RunRecorder:
 
     def issued(self, microbatch: MicroBatch, now: float, submit: float | None = None) -> None:
         """``now``: scheduling began; ``submit``: the micro-batch goes to the executor."""
-        mb = microbatch
-        self._safely(
-            self.events.issue,
-            mb.microbatch_id, now, mb.kind, mb.num_prefill_tokens, mb.num_decode_tokens, submit,
-        )  # fmt: skip
+        self._safely(self.events.issued, microbatch, now, submit)
 
     def completed(
         self,
@@ -139,9 +135,7 @@ class RunRecorder:
     ) -> None:
         """``now``: the tokens are here; ``wait``: the driver began waiting for them;
         ``full``: the in-flight limit (not the scheduler) held the next micro-batch back."""
-        self._safely(self.events.done, microbatch.microbatch_id, now, wait, full)
-        for e in result.events:
-            self._safely(self.events.stage, e)
+        self._safely(self.events.completed, microbatch, result, now, wait, full)
 
     def added(self, arrival_time: float) -> None:
         """A checked request joined the run: the run dir opens with the first one."""

@@ -46,18 +46,13 @@ class BubbleWindow:
 
     def issued(self, mb: Any, now: float, submit: float | None = None) -> None:
         with self._lock:
-            self._log.issue(
-                mb.microbatch_id, now, mb.kind, mb.num_prefill_tokens, mb.num_decode_tokens,
-                submit,
-            )  # fmt: skip
+            self._log.issued(mb, now, submit)  # the run dir's recorder makes the same call
 
     def completed(
         self, mb: Any, result: Any, now: float, wait: float | None = None, full: bool | None = None
     ) -> None:
         with self._lock:
-            self._log.done(mb.microbatch_id, now, wait, full)
-            for e in result.events:
-                self._log.stage(e)
+            self._log.completed(mb, result, now, wait, full)
             self._since_trim += 1 + len(result.events)
             if self._since_trim >= _TRIM_EVERY:
                 self._trim(now - self.t0 - KEEP_S)
