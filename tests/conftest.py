@@ -6,6 +6,8 @@ fixtures below are shorthands. ``any_model_dir`` runs a test once per variant.
 
 from __future__ import annotations
 
+import signal
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -81,3 +83,24 @@ def python_ctrl_c():
     signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, before)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored(request):
+    """Every test leaves SIGINT and SIGTERM as it found them: a handler left behind changes
+    how a later test's Ctrl-C or SIGTERM behaves, and a child process inherits an ignored
+    one. Restored; with a warning naming the test unless it is the CLI's own SIGTERM handler
+    (``cli.common.sigterm_as_interrupt``, installed by every in-process ``main()`` run)."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in before.items():
+        now = signal.getsignal(sig)
+        if handler is None or now == handler:
+            continue
+        if "sigterm_as_interrupt" not in getattr(now, "__qualname__", ""):
+            warnings.warn(
+                f"{request.node.nodeid} left the {signal.Signals(sig).name} handler changed "
+                f"({now!r}; was {handler!r}): restored",
+                stacklevel=1,
+            )
+        signal.signal(sig, handler)
