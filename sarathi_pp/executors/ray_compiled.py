@@ -113,9 +113,10 @@ class RayCompiledExecutor(RayExecutor):
         )
 
         mb_id = microbatch.microbatch_id
+        deadline = time.monotonic() + self.timeout_s
         try:
-            self._poll_until_ready(ref, time.monotonic() + self.timeout_s)
-            result = ref.get(timeout=self.timeout_s)
+            self._poll_until_ready(ref, deadline)  # then the get waits out what is left
+            result = ref.get(timeout=max(0.0, deadline - time.monotonic()))
         except RayChannelTimeoutError:
             self._stalled = True
             late = self._late_stage(mb_id)
@@ -156,7 +157,7 @@ class RayCompiledExecutor(RayExecutor):
         ray = self._ray
         for i, actor in enumerate(self.actors):
             try:
-                _, done = ray.get(actor.progress.remote(), timeout=PROGRESS_TIMEOUT_S)
+                done = ray.get(actor.progress.remote(), timeout=PROGRESS_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - no answer: this is the stage to name
                 return i
             if done < mb_id:

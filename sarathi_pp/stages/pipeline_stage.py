@@ -13,6 +13,7 @@ import contextlib
 import logging
 import socket
 import time
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ class PipelineStage:
         self.transport: StageTransport | None = None
         self._listener: socket.socket | None = None  # stage 0's rendezvous, from address()
         self._free_since = time.monotonic()  # when the stage last became free
-        self.progress_started = self.progress_done = -1  # micro-batch ids (run_compiled)
+        self.last_done = -1  # the last micro-batch id run_compiled finished
 
     # --- set-up ------------------------------------------------------------------------------
     def address(self, loopback: bool = False) -> tuple[str, int]:
@@ -121,16 +122,7 @@ class PipelineStage:
                 self.worker.dtype,
             )
         compute_start = time.monotonic()
-        failure = None
-        try:
-            self.faults.before(microbatch)
-            out = self.worker.execute(microbatch, hidden)
-        except Exception as e:  # noqa: BLE001 - isolated by the executor's retry
-            logger.exception(
-                "stage %d: micro-batch %d failed", s.stage_idx, microbatch.microbatch_id
-            )
-            failure = f"stage {s.stage_idx}: {type(e).__name__}: {e}"
-            out = None
+        out, failure = self._execute(microbatch, hidden)
         compute_end = time.monotonic()
         result = StepResult(failure=failure) if failure is not None else None
         if s.is_last:
@@ -173,20 +165,12 @@ class PipelineStage:
         one at a time, as on the other path."""
         s = self.stage
         wait_start, arrived = self._free_since, time.monotonic()
-        self.progress_started = microbatch.microbatch_id
         hidden, events, failure = incoming if incoming is not None else (None, [], None)
         out = None
         if failure is None:
-            try:
-                self.faults.before(microbatch)
-                out = self.worker.execute(microbatch, hidden)
-            except Exception as e:  # noqa: BLE001 - isolated by the executor's retry
-                logger.exception(
-                    "stage %d: micro-batch %d failed", s.stage_idx, microbatch.microbatch_id
-                )
-                failure = f"stage {s.stage_idx}: {type(e).__name__}: {e}"
+            out, failure = self._execute(microbatch, hidden)
         end = self._free_since = time.monotonic()
-        self.progress_done = microbatch.microbatch_id
+        self.last_done = microbatch.microbatch_id
         event = StageEvent(
             s.stage_idx, microbatch.microbatch_id, microbatch.kind,
             microbatch.num_prefill_tokens, microbatch.num_decode_tokens,
@@ -199,10 +183,25 @@ class PipelineStage:
         result.events = events
         return result
 
-    def progress(self) -> tuple[int, int]:
-        """The last micro-batch this stage started and the last it finished (-1: none),
-        answered beside a running compiled graph: which stage holds a late micro-batch."""
-        return self.progress_started, self.progress_done
+    def _execute(
+        self, microbatch: MicroBatch, hidden: torch.Tensor | None
+    ) -> tuple[Any, str | None]:
+        """This stage's work on ``microbatch`` (after any injected fault): its output and
+        ``None``, or ``None`` and the failure (logged; isolated by the executor's retry)."""
+        try:
+            self.faults.before(microbatch)
+            return self.worker.execute(microbatch, hidden), None
+        except Exception as e:  # noqa: BLE001 - isolated by the executor's retry
+            s = self.stage
+            logger.exception(
+                "stage %d: micro-batch %d failed", s.stage_idx, microbatch.microbatch_id
+            )
+            return None, f"stage {s.stage_idx}: {type(e).__name__}: {e}"
+
+    def progress(self) -> int:
+        """The last micro-batch ``run_compiled`` finished (-1: none), answered beside a
+        running compiled graph: which stage holds a late micro-batch."""
+        return self.last_done
 
     def group_initialized(self) -> bool:
         """Whether this process joined a ``torch.distributed`` group (not for a graph)."""
