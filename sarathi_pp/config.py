@@ -216,12 +216,21 @@ class RunConfig:
     overwrite: bool = False
     """Allow writing into an existing non-empty run dir: what an earlier run wrote there is
     removed first (the files the README lists), nothing else."""
+    compact_events: bool | str = "auto"
+    """``events.jsonl``'s form for completed micro-batches: ``false`` one ``done`` record and
+    one ``stage`` record per stage; ``true`` one ``microbatch`` record each (the same
+    fields); ``auto`` the first form for the first 2,000 micro-batches, then the compact
+    one (``sarathi_pp/events.py``)."""
 
     def __post_init__(self) -> None:
         if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):
             raise ValueError(f"run_dir must be a non-empty path or null, got {self.run_dir!r}")
         if not isinstance(self.overwrite, bool):
             raise ValueError(f"overwrite must be true or false, got {self.overwrite!r}")
+        if not (isinstance(self.compact_events, bool) or self.compact_events == "auto"):
+            raise ValueError(
+                f"compact_events must be true, false or auto, got {self.compact_events!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -281,6 +290,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "max_stage_restarts": ("parallel", "max_stage_restarts"),
     "run_dir": ("run", "run_dir"),
     "overwrite": ("run", "overwrite"),
+    "compact_events": ("run", "compact_events"),
 }
 
 

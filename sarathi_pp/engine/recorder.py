@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from sarathi_pp.config import EngineConfig
-from sarathi_pp.events import EventLog
+from sarathi_pp.events import COMPACT_EVENTS_AFTER, EventLog
 from sarathi_pp.microbatch import MicroBatch, StepResult
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.report import write_report
@@ -91,6 +91,14 @@ class NullRecorder:
         pass
 
 
+def compact_after(compact_events: bool | str) -> int | None:
+    """``run.compact_events`` as the completed micro-batches before ``events.jsonl`` turns
+    compact (None: never)."""
+    if compact_events == "auto":
+        return COMPACT_EVENTS_AFTER
+    return 0 if compact_events else None
+
+
 class RunRecorder:
     """Records into ``run_dir`` (checked, not created, by the caller); ``config`` is the
     resolved config, ``now`` the log's time origin."""
@@ -99,7 +107,12 @@ class RunRecorder:
         self.run_dir = run_dir
         self.config = config
         self.overwrite = overwrite
-        self.events = EventLog(config.parallel.pipeline_parallel_size, now, config.to_dict())
+        self.events = EventLog(
+            config.parallel.pipeline_parallel_size,
+            now,
+            config.to_dict(),
+            compact_after=compact_after(config.run.compact_events),
+        )
         self._requests: IO[str] | None = None  # requests.csv, open once the run dir is
         self._rows: Any = None  # its csv writer
         self._rows_flushed_at = 0.0

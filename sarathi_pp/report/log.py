@@ -32,6 +32,7 @@ _STAGE_FIELDS = (
     "send_end",
 )
 _TIME_FIELDS = ("wait_start", "input_ready", "compute_start", "compute_end", "send_end")
+_NUMBER_TYPES = {int, float}  # JSON's numbers (a bool's type is bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,19 +91,27 @@ class RunLog:
 
 def load_log(path: str | Path) -> RunLog:
     """Read and check ``events.jsonl``; ``FileNotFoundError``/``ValueError`` naming it."""
-    return parse_log(read_events(path), str(path))
+    return parse_log(read_events(path), str(path), copy=False)
 
 
-def parse_log(records: list[dict[str, Any]], source: str) -> RunLog:
-    """Check and type ``records`` (as ``read_events`` returns them) from ``source``."""
+def parse_log(records: list[dict[str, Any]], source: str, copy: bool = True) -> RunLog:
+    """Check and type ``records`` (as ``read_events`` returns them) from ``source``;
+    ``copy=False``: the records are the caller's to lose (their line numbers are added)."""
     header = records[0]
     num_stages = header.get("num_stages")
     if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
         raise ValueError(f"{source}: header num_stages must be an int >= 1, got {num_stages!r}")
     by_type: dict[str, list[dict[str, Any]]] = {}
     for i, r in enumerate(records[1:], 2):
-        by_type.setdefault(r["type"], []).append({**r, "_line": i})
-    stages = _stage_events(by_type.get("stage", []), num_stages, source)
+        if copy:
+            r = {**r}
+        r["_line"] = i
+        by_type.setdefault(r["type"], []).append(r)
+    compact = [_compact(r, num_stages, source) for r in by_type.get("microbatch", [])]
+    by_type.setdefault("done", []).extend(done for done, _ in compact)
+    stages = _stage_events(
+        by_type.get("stage", []), num_stages, source, [events for _, events in compact]
+    )
     return RunLog(
         source=source,
         num_stages=num_stages,
@@ -228,15 +237,56 @@ def _stage_event(r: dict[str, Any], num_stages: int, source: str) -> StageEvent:
     )
 
 
+def _compact(
+    r: dict[str, Any], num_stages: int, source: str
+) -> tuple[dict[str, Any], list[StageEvent]]:
+    """A ``microbatch`` record as its ``done`` record and its stage events."""
+    mb, kind = _int(r, "mb", source), _kind(r, source)
+    p, d = _int(r, "num_prefill_tokens", source), _int(r, "num_decode_tokens", source)
+    times = r.get("stages")
+    if not isinstance(times, list) or len(times) != num_stages:
+        raise ValueError(
+            f"{_where(r, source)}: microbatch record field 'stages' must list "
+            f"{num_stages} stages' times, got {str(times)[:60]!r}"
+        )
+    events = []
+    for s, t in enumerate(times):  # by hand, not with _num: millions of times in a long run
+        if not (
+            type(t) is list
+            and len(t) == 5
+            and set(map(type, t)) <= _NUMBER_TYPES
+            and math.isfinite(sum(t))
+        ):
+            raise ValueError(
+                f"{_where(r, source)}: microbatch {mb} stage {s}: times must be 5 finite "
+                f"numbers ({', '.join(_TIME_FIELDS)}), got {t!r}"
+            )
+        if not t[2] <= t[3] <= t[4]:
+            raise ValueError(
+                f"{_where(r, source)}: stage {s} micro-batch {mb}: times "
+                "must satisfy compute_start <= compute_end <= send_end"
+            )
+        events.append(StageEvent(s, mb, kind, p, d, *map(float, t)))
+    done = {k: r[k] for k in ("type", "mb", "t", "wait", "full", "_line") if k in r}
+    return done, events
+
+
 def _stage_events(
-    rs: list[dict[str, Any]], num_stages: int, source: str
+    rs: list[dict[str, Any]],
+    num_stages: int,
+    source: str,
+    compact: list[list[StageEvent]] | None = None,
 ) -> tuple[tuple[StageEvent, ...], ...]:
-    if not rs:
+    """Stage records (``rs``) and compact micro-batches' events, checked, per stage."""
+    if not rs and not compact:
         raise ValueError(f"{source}: no stage records: the run computed no micro-batch")
     per_stage: list[list[StageEvent]] = [[] for _ in range(num_stages)]
     for r in rs:
         e = _stage_event(r, num_stages, source)
         per_stage[e.stage].append(e)
+    for events in compact or ():
+        for s, e in enumerate(events):
+            per_stage[s].append(e)
     for s, events in enumerate(per_stage):
         events.sort(key=lambda e: (e.compute_start, e.compute_end))
         for a, b in pairwise(events):

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from sarathi_pp import LLM, SamplingParams
-from sarathi_pp.events import read_events
+from sarathi_pp.events import SCHEMA_VERSION, read_events
 
 
 @pytest.mark.parametrize("in_flight", [1, 2])
@@ -25,7 +25,7 @@ def test_engine_records_the_driver_times(llama_dir, tmp_path, in_flight):
                  use_tqdm=False)  # fmt: skip
     llm.engine.write_run_records()
     records = read_events(run / "events.jsonl")
-    assert records[0]["schema_version"] == 2
+    assert records[0]["schema_version"] == SCHEMA_VERSION
     issues = [r for r in records if r["type"] == "issue"]
     dones = [r for r in records if r["type"] == "done"]
     assert issues and all(r["t"] <= r["submit"] for r in issues)

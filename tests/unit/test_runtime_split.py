@@ -8,7 +8,7 @@ import json
 import pytest
 from test_bubbles import check_exact, header, only, st
 
-from sarathi_pp.events import EventLog, read_events
+from sarathi_pp.events import SCHEMA_VERSION, EventLog, read_events
 from sarathi_pp.report.bubbles import (
     BUBBLE_CLASSES,
     RUNTIME_CLASSES,
@@ -158,15 +158,15 @@ def test_event_log_writes_the_driver_fields_and_reads_both_versions(tmp_path):
     path = tmp_path / "events.jsonl"
     log.write(path)
     records = read_events(path)
-    assert records[0]["schema_version"] == 2
+    assert records[0]["schema_version"] == SCHEMA_VERSION
     assert records[1]["submit"] == 0.75 and "submit" not in records[2]
     assert records[3]["wait"] == 1.5 and records[3]["full"] is False and "wait" not in records[4]
     lines = path.read_text().splitlines()
     old = json.loads(lines[0]) | {"schema_version": 1}
     path.write_text("\n".join([json.dumps(old), *lines[1:]]))
     assert read_events(path)[0]["schema_version"] == 1
-    path.write_text("\n".join([json.dumps(old | {"schema_version": 3}), *lines[1:]]))
-    with pytest.raises(ValueError, match="schema version 3, this reader knows 1, 2"):
+    path.write_text("\n".join([json.dumps(old | {"schema_version": 4}), *lines[1:]]))
+    with pytest.raises(ValueError, match="schema version 4, this reader knows 1, 2, 3"):
         read_events(path)
 
 
