@@ -49,23 +49,23 @@ class ScheduledChunk:
 class MicroBatch:
     microbatch_id: int
     chunks: tuple[ScheduledChunk, ...]
+    # Counted once here: the engine, its records and the simulator's cost model ask often.
+    num_prefill_tokens: int = field(init=False, repr=False, compare=False)
+    num_decode_tokens: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Layout invariant: prefill rows first, then decode rows.
         seen_decode = False
+        prefill = decode = 0
         for c in self.chunks:
             if c.is_prefill:
                 assert not seen_decode, f"prefill chunk after a decode in {self}"
+                prefill += len(c.token_ids)
             else:
                 seen_decode = True
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks if c.is_prefill)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(1 for c in self.chunks if not c.is_prefill)
+                decode += 1
+        object.__setattr__(self, "num_prefill_tokens", prefill)
+        object.__setattr__(self, "num_decode_tokens", decode)
 
     @property
     def num_tokens(self) -> int:

@@ -32,11 +32,14 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+        return self not in _LIVE
 
     @property
     def finish_reason(self) -> str | None:
         return self.value if self.is_finished else None
+
+
+_LIVE = (SequenceStatus.WAITING, SequenceStatus.RUNNING)  # a tuple: members compare by identity
 
 
 class Sequence:
@@ -84,12 +87,13 @@ class Sequence:
     @property
     def num_pending_tokens(self) -> int:
         """Tokens not yet issued in any microbatch."""
-        return self.num_tokens - self.num_scheduled_tokens
+        return len(self.token_ids) - self.num_scheduled_tokens
 
-    # --- state predicates ----------------------------------------------------------------
+    # --- state predicates (asked of every running sequence at every scheduling step: the
+    # simulator's 600,000-step runs feel each attribute lookup, hence no property chains) ---
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status not in _LIVE
 
     @property
     def is_decode(self) -> bool:
@@ -98,12 +102,14 @@ class Sequence:
         The last token of a recompute whose previous chunk is still in flight is the tail of
         that prefill, not a decode: a decoding sequence is in at most one micro-batch in flight."""
         return (
-            self.num_output_tokens > 0 and self.num_pending_tokens == 1 and self.num_inflight == 0
+            self.num_inflight == 0
+            and len(self.token_ids) - self.num_scheduled_tokens == 1
+            and len(self.output_token_ids) > 0
         )
 
     @property
     def is_schedulable(self) -> bool:
-        return not self.is_finished and self.num_pending_tokens > 0
+        return self.status in _LIVE and len(self.token_ids) > self.num_scheduled_tokens
 
     def append_token(self, token_id: int, now: float) -> None:
         self.output_token_ids.append(token_id)

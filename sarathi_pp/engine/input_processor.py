@@ -130,6 +130,8 @@ def as_token_ids(values: Iterable[Any], where: str) -> list[int]:
     ``where``, the position and the value otherwise: ``True`` is not a token id."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise ValueError(f"{where}: token ids must be a list of integers, got {values!r}")
+    if isinstance(values, (list, tuple)) and set(map(type, values)) <= {int}:
+        return list(values)  # the common case, checked in C (bool's type is not int)
     token_ids = []
     for idx, t in enumerate(values):
         if type(t) is int:  # the common case, without the (slow) ABC check below

@@ -20,6 +20,7 @@ StopReason = int | str | None  # the stop token id, the stop string, or None
 @dataclass
 class _TextState:
     stream: Any  # the detokenizer's incremental stream (None: decode the whole output)
+    prompt_token_ids: list[int]  # one copy per request, shared by its outputs (as vLLM)
     text: str = ""
 
 
@@ -32,7 +33,7 @@ class OutputProcessor:
 
     def add(self, seq: Sequence) -> None:
         stream = self.detokenizer.new_stream() if self.detokenizer else None
-        self._text[seq.seq_id] = _TextState(stream)
+        self._text[seq.seq_id] = _TextState(stream, list(seq.prompt_token_ids))
 
     def drop(self, seq: Sequence) -> None:
         self._text.pop(seq.seq_id, None)
@@ -74,6 +75,8 @@ class OutputProcessor:
         """The request's output so far (the final one once ``seq`` is finished)."""
         state = self._text.get(seq.seq_id)
         text = state.text if state is not None else ""
+        # Not copied at every step (a 4K-token prompt would be copied for each new token).
+        prompt_ids = state.prompt_token_ids if state is not None else list(seq.prompt_token_ids)
         if seq.is_finished:
             self._text.pop(seq.seq_id, None)
             if self.detokenizer is not None and not isinstance(seq.stop_reason, str):
@@ -90,7 +93,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
-            prompt_token_ids=list(seq.prompt_token_ids),
+            prompt_token_ids=prompt_ids,
             outputs=[completion],
             finished=seq.is_finished,
             metrics=seq.metrics,

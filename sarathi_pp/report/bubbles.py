@@ -182,6 +182,8 @@ def pb_class(prev_kind: str | None, kind: str) -> str:
 def paint(a: float, b: float, spans: list[Segment], default: str, mb: int | None) -> list[Segment]:
     """``[a, b]`` cut into segments: ``spans`` (sorted, disjoint) where they overlap, else
     ``default``; contiguous, first start ``a``, last end ``b``. Empty if ``b <= a``."""
+    if not spans:  # the common case, once per stage per micro-batch: no list walk
+        return [Segment(a, b, default, mb)] if b > a else []
     out: list[Segment] = []
     cursor = a
     first = bisect.bisect_right(spans, a, key=lambda sp: sp.end)  # ends sorted: spans disjoint
@@ -301,14 +303,21 @@ def stage_bubbles(
     busy = 0.0
     bubbles = dict.fromkeys(BUBBLE_CLASSES, 0.0)
     fill = drain = 0.0
+    lo, hi = window.start, window.end
     for seg in segments:
-        inside = _overlap(seg, window.start, window.end)
+        if lo <= seg.start and seg.end <= hi:  # most segments: all inside the window
+            if seg.label == BUSY:
+                busy += seg.end - seg.start
+            else:
+                bubbles[seg.label] = bubbles.get(seg.label, 0.0) + (seg.end - seg.start)
+            continue
+        inside = _overlap(seg, lo, hi)
         if seg.label == BUSY:
             busy += inside
             continue
         bubbles[seg.label] = bubbles.get(seg.label, 0.0) + inside
-        fill += _overlap(seg, run_start, window.start)
-        drain += _overlap(seg, window.end, run_end)
+        fill += _overlap(seg, run_start, lo)
+        drain += _overlap(seg, hi, run_end)
     idle = sum(bubbles.values())
     return StageBubbles(s, busy, idle, window.duration, bubbles, fill, drain)
 
