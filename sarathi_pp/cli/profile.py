@@ -48,6 +48,11 @@ class GridArgs:
     tile_rows: tuple[int, ...]
     repeats: int
     warmup: int
+    # Decode-only micro-batches of each of these sizes at each of ``decode_contexts`` and
+    # ``context_lens``: what the simulator's profiled model interpolates a decode-only
+    # micro-batch from (few-row matmuls are far from linear in the rows on a CPU).
+    decode_sweep: tuple[int, ...] = ()
+    decode_contexts: tuple[int, ...] = ()
 
 
 def _tile_pairs(multiples_of: int, up_to: int, step: int = 4) -> tuple[int, ...]:
@@ -65,6 +70,8 @@ DEFAULT_GRID = GridArgs(
     tile_rows=_tile_pairs(64, 320),
     repeats=5,
     warmup=1,
+    decode_sweep=(1, 2, 4, 8, 16, 32),
+    decode_contexts=(128, 1024),
 )
 QUICK_GRID = GridArgs(
     prefill_tokens=(0, 64, 128, 256),
@@ -73,8 +80,13 @@ QUICK_GRID = GridArgs(
     tile_rows=_tile_pairs(128, 256),
     repeats=3,
     warmup=1,
+    decode_sweep=(1, 4, 8),
+    decode_contexts=(64,),
 )
-GRID_FLAGS = ("prefill_tokens", "decode_tokens", "context_lens", "tile_rows", "repeats", "warmup")
+GRID_FLAGS = (
+    "prefill_tokens", "decode_tokens", "context_lens", "tile_rows", "repeats", "warmup",
+    "decode_sweep", "decode_contexts",
+)  # fmt: skip
 
 
 def token_list(text: str) -> tuple[int, ...]:
@@ -126,6 +138,13 @@ def add_parser(subparsers: Any) -> None:
         "context_lens",
     )
     _grid_flag(g, "--tile-rows", "rows of the tile sweep (prefill-only, context 0)", "tile_rows")
+    _grid_flag(g, "--decode-sweep", "sizes of decode-only micro-batches", "decode_sweep")
+    _grid_flag(
+        g,
+        "--decode-contexts",
+        "contexts of the decode sweep, besides --context-lens",
+        "decode_contexts",
+    )
     g.add_argument("--repeats", type=int, metavar="N", help=f"timed runs per configuration, median kept (default {DEFAULT_GRID.repeats})")  # fmt: skip
     g.add_argument("--warmup", type=int, metavar="N", help=f"untimed runs first (default {DEFAULT_GRID.warmup})")  # fmt: skip
     p.set_defaults(func=run)
@@ -159,7 +178,9 @@ def profile_grid(grid: GridArgs, max_model_len: int) -> tuple[list[GridPoint], l
     With P the largest prefill value: one unchunked prefill of P; the chunk chain of every
     smaller non-zero prefill value (what chunked prefill costs); the tile sweep; and every
     (prefill < P, decode, context) of the lists, prefill = decode = 0 excepted (decodes
-    alone, piggybacked, and the chunk alone at that context)."""
+    alone, piggybacked, and the chunk alone at that context); and the decode sweep: decode-only
+    micro-batches of every ``decode_sweep`` size at every context of ``decode_contexts`` and
+    ``context_lens``."""
     prompt_len = max(grid.prefill_tokens)
     if prompt_len < 1:
         raise ValueError(
@@ -181,6 +202,10 @@ def profile_grid(grid: GridArgs, max_model_len: int) -> tuple[list[GridPoint], l
         GridPoint(p, d, x)
         for p in grid.prefill_tokens for d in grid.decode_tokens for x in grid.context_lens
         if p < prompt_len and p + d > 0
+    )  # fmt: skip
+    points.update(
+        GridPoint(0, d, x)
+        for d in grid.decode_sweep for x in {*grid.decode_contexts, *grid.context_lens} if d > 0
     )  # fmt: skip
     fits = sorted(pt for pt in points if _positions(pt) <= max_model_len)
     return fits, sorted(points - set(fits))

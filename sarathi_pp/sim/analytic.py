@@ -178,6 +178,26 @@ def embed_ops(shape: LayerShape, rows: Rows) -> list[Op]:
     return [Op("embedding", 0.0, float(2 * n * shape.hidden * shape.dtype_bytes))]
 
 
+def activation_bytes(shape: LayerShape, rows: int, in_flight: int, last: bool) -> int:
+    """A stage's peak activation memory on one GPU for micro-batches of ``rows`` rows, which
+    its KV cache cannot use (vLLM measures the same figure with a profiling forward pass).
+
+    Inference frees a layer's intermediates before the next layer, so the peak is one
+    layer's working set, the larger of its two halves: attention (the residual stream, the
+    normed input, Q/K/V, the attention output) and the MLP (residual, normed input,
+    gate/up, the activated product). On top: the hidden states of the other micro-batches
+    in flight waiting at the stage (``rows x hidden`` each) and, on the last stage, fp32
+    logits of every row (this GPU's vocab share): the bound, not only the sampled rows."""
+    s, h = shape, shape.hidden
+    attention = 2 * h + (s.q_dim + 2 * s.kv_dim) + s.q_dim
+    mlp = 2 * h + 3 * s.inter
+    per_row = max(attention, mlp) + (in_flight - 1) * h
+    total = rows * per_row * s.dtype_bytes
+    if last:
+        total += rows * s.vocab * 4
+    return total
+
+
 def op_seconds(op: Op, hw: Hardware) -> float:
     """The roofline: compute-bound or memory-bound, whichever is slower."""
     if op.seconds is not None:

@@ -284,6 +284,14 @@ def test_grid_has_the_chains_the_sweep_and_the_decode_rows():
     assert analyze_profile([ProfileRow(0, *pt, 1.0) for pt in points]).prompt_len == 64
 
 
+def test_grid_has_the_decode_sweep():
+    points, _ = profile_grid(
+        small_grid(decode_sweep=(1, 8), decode_contexts=(64,)), max_model_len=128
+    )
+    sweep = {pt for pt in points if pt.prefill_tokens == 0}
+    assert sweep == {(0, 1, 16), (0, 8, 16), (0, 1, 64), (0, 8, 64), (0, 4, 16)}
+
+
 def test_grid_skips_what_passes_max_model_len():
     points, skipped = profile_grid(small_grid(context_lens=(16, 100)), max_model_len=128)
     assert skipped == [GridPoint(32, 0, 100), GridPoint(32, 4, 100)]

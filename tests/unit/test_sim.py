@@ -305,6 +305,83 @@ def test_pictures_of_a_long_run_show_a_window(model_dir: Path, tmp_path: Path):
     assert all(i.end <= end for i in w.idles)
 
 
+@pytest.mark.parametrize("pp", [1, 3])
+def test_compact_event_log_reads_as_the_full_one(model_dir: Path, tmp_path: Path, pp: int):
+    """``run.compact_events``: one ``microbatch`` record per completed micro-batch instead of
+    a ``done`` and one ``stage`` record per stage; the log reads back as the same events and
+    gives the same summary."""
+    logs, summaries = {}, {}
+    for form in (False, True, "auto"):
+        cluster = _cluster(model_dir, pp=pp, chunk_size=128, compact_events=form)
+        d = tmp_path / str(form)
+        summaries[form] = cluster.serve_run(_requests(6), d)
+        logs[form] = load_log(d / "events.jsonl")
+        types = [json.loads(line)["type"] for line in (d / "events.jsonl").open()]
+        n = logs[form].num_microbatches
+        assert n > 10
+        if form is True:
+            assert types.count("microbatch") == n and "stage" not in types and "done" not in types
+        else:  # auto: compact only after 2,000 micro-batches
+            assert types.count("stage") == pp * n and "microbatch" not in types
+    full, compact = logs[False], logs[True]
+    assert compact.dones == full.dones and compact.waits == full.waits
+    assert compact.issues == full.issues
+    assert compact.stages == full.stages
+    assert summaries[True]["overall"] == summaries[False]["overall"]
+    assert summaries[True]["requests"] == summaries[False]["requests"]
+
+
+def test_compact_events_after_a_count(model_dir: Path, tmp_path: Path):
+    """The switch mid-log (``auto`` does it at 2,000): both forms in one file read as one."""
+    from sarathi_pp.events import EventLog
+
+    cluster = _cluster(model_dir, pp=2, chunk_size=128)
+    cluster.serve_run(_requests(6), tmp_path / "full")
+    full = load_log(tmp_path / "full" / "events.jsonl")
+    records = [json.loads(line) for line in (tmp_path / "full" / "events.jsonl").open()]
+    header = records[0]
+    log = EventLog(2, 0.0, header["config"], compact_after=5)
+    by_mb = {e.mb: [full.stages[0][i], full.stages[1][i]] for i, e in enumerate(full.stages[0])}
+
+    class MB:
+        def __init__(self, mb):
+            self.microbatch_id = mb
+
+    class Result:
+        def __init__(self, events):
+            self.events = events
+
+    for w in full.waits:
+        log.completed(MB(w.mb), Result(by_mb[w.mb]), w.end, w.start, w.full)
+    path = tmp_path / "mixed.jsonl"
+    log.write(path)
+    types = [json.loads(line)["type"] for line in path.open()]
+    assert types.count("stage") == 2 * 5 and types.count("microbatch") == len(full.waits) - 5
+    from sarathi_pp.report.log import parse_log
+
+    mixed = parse_log([json.loads(line) for line in path.open()], "mixed")
+    assert [e.mb for e in mixed.stages[1]] == [e.mb for e in full.stages[1]]
+    assert mixed.waits == full.waits
+
+
+def test_bad_compact_records_are_named(tmp_path: Path):
+    from sarathi_pp.report.log import parse_log
+
+    header = {"type": "header", "schema_version": 3, "num_stages": 2, "t0": 0.0, "config": {}}
+    good = {"type": "microbatch", "mb": 0, "t": 2.0, "kind": "prefill",
+            "num_prefill_tokens": 8, "num_decode_tokens": 0,
+            "stages": [[0, 0, 0, 1, 1], [0, 1, 1, 2, 2]]}  # fmt: skip
+    assert parse_log([header, good], "x").num_microbatches == 1
+    with pytest.raises(ValueError, match="x:2: microbatch record field 'stages' must list 2"):
+        parse_log([header, good | {"stages": [[0, 0, 0, 1, 1]]}], "x")
+    with pytest.raises(ValueError, match="x:2: microbatch 0 stage 1: times must be 5 finite"):
+        parse_log([header, good | {"stages": [[0, 0, 0, 1, 1], [0, 1, 1, 2]]}], "x")
+    with pytest.raises(ValueError, match="compute_start <= compute_end <= send_end"):
+        parse_log([header, good | {"stages": [[0, 0, 0, 1, 1], [0, 1, 3, 2, 2]]}], "x")
+    with pytest.raises(ValueError, match="compact_events must be true, false or auto"):
+        make_config(compact_events="yes")
+
+
 # --- the profiled model --------------------------------------------------------------------
 def test_profiled_fit_recovers_a_linear_cost(tmp_path: Path):
     from sarathi_pp.planner.profile_csv import ProfileRow, write_profile
@@ -338,6 +415,89 @@ def test_profiled_fit_drops_negative_terms(tmp_path: Path):
     ]
     coef = fit(rows)
     assert all(c >= 0 for c in coef) and coef[2] == 0.0
+
+
+def test_interpolate_clamps_below_and_extrapolates_above():
+    from sarathi_pp.sim.profiled import interpolate
+
+    pts = [(1.0, 10.0), (4.0, 16.0), (8.0, 18.0)]
+    assert interpolate(pts, 0.5) == 10.0  # below the first point: its value
+    assert interpolate(pts, 2.0) == pytest.approx(12.0)
+    assert interpolate(pts, 4.0) == pytest.approx(16.0)
+    assert interpolate(pts, 6.0) == pytest.approx(17.0)
+    assert interpolate(pts, 16.0) == pytest.approx(22.0)  # the last segment's slope
+
+
+def test_profiled_decode_only_microbatches_come_from_the_sweep(tmp_path: Path):
+    """Decode-only rows far from linear in the decodes (as few-row matmuls on a CPU): a
+    decode-only micro-batch is read off them; one with a prefill chunk from the linear fit,
+    made on the rows with a chunk."""
+    from sarathi_pp.planner.profile_csv import ProfileRow, write_profile
+    from sarathi_pp.sim.profiled import ProfiledCostModel, row_features
+
+    true = [2e-3, 1e-5, 3e-5, 1e-9, 2e-8]
+
+    def decode_only(d: int, k: int) -> float:
+        return 0.03 + 0.01 * d**0.5 + 1e-6 * d * k
+
+    rows = [
+        ProfileRow(0, p, d, k, sum(c * x for c, x in zip(true, row_features(p, d, k))))
+        for p in (64, 128, 256) for d in (0, 8, 16) for k in (0, 256, 512)
+    ]  # fmt: skip
+    rows += [ProfileRow(0, 0, d, k, decode_only(d, k)) for d in (1, 2, 4, 8, 16, 32)
+             for k in (128, 1024)]  # fmt: skip
+    write_profile(tmp_path / "p.csv", rows)
+    model = ProfiledCostModel.from_csv(tmp_path / "p.csv", ((0, 4),))
+    assert model.coef == pytest.approx(true, rel=1e-6)  # the decode-only rows kept out
+    assert "decode-only micro-batches interpolated at contexts 128, 1024" in model.describe()
+
+    def decodes(*contexts: int) -> MicroBatch:
+        chunks = tuple(
+            ScheduledChunk(i, k, (1,), False, (0,), None, 1) for i, k in enumerate(contexts)
+        )
+        return MicroBatch(0, chunks)
+
+    def t(mb: MicroBatch) -> float:
+        return model.costs(mb).compute_s[0]
+
+    assert t(decodes(128, 128, 128, 128)) == pytest.approx(decode_only(4, 128))
+    assert t(decodes(*[1024] * 16)) == pytest.approx(decode_only(16, 1024))
+    six = (decode_only(4, 128) + decode_only(8, 128)) / 2  # between 4 and 8 decodes
+    assert t(decodes(*[128] * 6)) == pytest.approx(six)
+    mixed = (decode_only(2, 128) + decode_only(2, 1024)) / 2  # mean context 576: halfway
+    assert t(decodes(128, 1024)) == pytest.approx(mixed)
+    assert t(decodes(*[2048] * 2)) > decode_only(2, 1024)  # past the largest: extrapolated
+    chunk = ScheduledChunk(0, 100, tuple(range(50)), True, (0,), None, 0)
+    hybrid = MicroBatch(0, (chunk, *decodes(512).chunks[:1]))
+    assert t(hybrid) == pytest.approx(model.seconds(row_features(50, 1, 100)), rel=0.05)
+
+
+def test_activation_memory_comes_off_the_kv_cache(model_dir: Path):
+    """On a simulated GPU the KV cache gets M_G - M_S less the peak activation memory of
+    the largest micro-batch the scheduler can issue."""
+    from sarathi_pp.config import SchedulerConfig
+    from sarathi_pp.sim.analytic import activation_bytes
+    from sarathi_pp.sim.executor import max_rows
+
+    assert max_rows(SchedulerConfig(chunk_size=256), 4096) == 256
+    auto = SchedulerConfig(chunk_size="auto", max_chunk_size=1024, max_num_seqs=32)
+    assert max_rows(auto, 4096) == 1024 + 32
+    assert max_rows(SchedulerConfig(policy="orca", max_num_seqs=8), 4096) == 4096 + 8
+    vllm = SchedulerConfig(policy="vllm", max_num_batched_tokens=2048, max_num_seqs=8)
+    assert max_rows(vllm, 4096) == 2048 + 8
+    shape = LayerShape.of(spec_from_dict(TINY), 1, "bfloat16")
+    # hidden 256, q 256, kv 128, inter 512: attention 2*256 + (256 + 256) + 256 = 1280,
+    # MLP 2*256 + 3*512 = 2048 per row; one more micro-batch's hidden state waits (256)
+    assert activation_bytes(shape, 100, 2, last=False) == 100 * (2048 + 256) * 2
+    assert activation_bytes(shape, 100, 2, last=True) == 100 * (2048 + 256) * 2 + 100 * 1000 * 4
+    cluster = _cluster(model_dir, pp=2, chunk_size=512)
+    executor = cluster.executor
+    memory = executor.load_model()
+    assert executor.activation_bytes == [
+        activation_bytes(shape, 512, 2, last=False), activation_bytes(shape, 512, 2, last=True)
+    ]  # fmt: skip
+    assert memory[0].memory_bytes == executor.placement.memory_bytes - executor.activation_bytes[0]
+    assert memory[1].memory_bytes < memory[0].memory_bytes  # the logits
 
 
 # --- planning and capacity on the simulator ------------------------------------------------
