@@ -54,18 +54,16 @@ class MicroBatch:
     num_decode_tokens: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        prefill = [len(c.token_ids) for c in self.chunks if c.is_prefill]
+        object.__setattr__(self, "num_prefill_tokens", sum(prefill))
+        object.__setattr__(self, "num_decode_tokens", len(self.chunks) - len(prefill))
         # Layout invariant: prefill rows first, then decode rows.
         seen_decode = False
-        prefill = decode = 0
         for c in self.chunks:
             if c.is_prefill:
                 assert not seen_decode, f"prefill chunk after a decode in {self}"
-                prefill += len(c.token_ids)
             else:
                 seen_decode = True
-                decode += 1
-        object.__setattr__(self, "num_prefill_tokens", prefill)
-        object.__setattr__(self, "num_decode_tokens", decode)
 
     @property
     def num_tokens(self) -> int:

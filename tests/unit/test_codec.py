@@ -105,6 +105,11 @@ def test_each_type_round_trips_with_its_types(strategy, data):
     assert back == value and type(back) is type(value)
     if isinstance(value, MicroBatch):  # tuples stay tuples (the values are hashable, frozen)
         assert all(type(c.token_ids) is tuple and type(c.block_table) is tuple for c in back.chunks)
+        # the derived counts (not sent) are rebuilt
+        assert (back.num_prefill_tokens, back.num_decode_tokens) == (
+            sum(c.num_tokens for c in value.chunks if c.is_prefill),
+            sum(1 for c in value.chunks if not c.is_prefill),
+        )
 
 
 def test_floats_are_exact_and_nan_travels():
@@ -118,8 +123,9 @@ def test_floats_are_exact_and_nan_travels():
     "cls", [SamplingParams, ScheduledChunk, MicroBatch, StageEvent, StepResult, StageMemory]
 )
 def test_the_codec_sends_every_field(cls):
-    """A field added to a value type must be added to the codec too (or it would be lost)."""
-    assert record_fields(cls) == [f.name for f in dataclasses.fields(cls)]
+    """A field added to a value type must be added to the codec too (or it would be lost);
+    fields ``__post_init__`` derives (``init=False``) are rebuilt, not sent."""
+    assert record_fields(cls) == [f.name for f in dataclasses.fields(cls) if f.init]
 
 
 def _packed(value) -> bytes:
