@@ -187,7 +187,8 @@ def paint(a: float, b: float, spans: list[Segment], default: str, mb: int | None
     out: list[Segment] = []
     cursor = a
     first = bisect.bisect_right(spans, a, key=lambda sp: sp.end)  # ends sorted: spans disjoint
-    for sp in spans[first:]:
+    for i in range(first, len(spans)):  # not spans[first:]: a copy per call is quadratic
+        sp = spans[i]
         if sp.start >= b:
             break
         x, y = max(sp.start, cursor), min(sp.end, b)
