@@ -18,7 +18,8 @@ from sarathi_pp.planner.profile_analysis import (
 )
 
 GRID = ["--prefill-tokens", "0,16,32,64", "--decode-tokens", "0,4", "--context-lens", "32",
-        "--tile-rows", "16,20,32,36", "--repeats", "2", "--warmup", "1"]  # fmt: skip
+        "--tile-rows", "16,20,32,36", "--repeats", "2", "--warmup", "1",
+        "--decode-sweep", "1,8", "--decode-contexts", "64"]  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +36,8 @@ def engine_args(model_dir, *extra: str) -> list[str]:
 
 
 def expected_points():
-    grid = GridArgs((0, 16, 32, 64), (0, 4), (32,), (16, 20, 32, 36), repeats=2, warmup=1)
+    grid = GridArgs((0, 16, 32, 64), (0, 4), (32,), (16, 20, 32, 36), repeats=2, warmup=1,
+                    decode_sweep=(1, 8), decode_contexts=(64,))  # fmt: skip
     return profile_grid(grid, max_model_len=256)[0]
 
 
