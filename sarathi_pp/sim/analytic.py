@@ -178,7 +178,9 @@ def embed_ops(shape: LayerShape, rows: Rows) -> list[Op]:
     return [Op("embedding", 0.0, float(2 * n * shape.hidden * shape.dtype_bytes))]
 
 
-def activation_bytes(shape: LayerShape, rows: int, in_flight: int, last: bool) -> int:
+def activation_bytes(
+    shape: LayerShape, rows: int, in_flight: int, last: bool, sampled: int = 0
+) -> int:
     """A stage's peak activation memory on one GPU for micro-batches of ``rows`` rows, which
     its KV cache cannot use (vLLM measures the same figure with a profiling forward pass).
 
@@ -187,14 +189,15 @@ def activation_bytes(shape: LayerShape, rows: int, in_flight: int, last: bool) -
     normed input, Q/K/V, the attention output) and the MLP (residual, normed input,
     gate/up, the activated product). On top: the hidden states of the other micro-batches
     in flight waiting at the stage (``rows x hidden`` each) and, on the last stage, fp32
-    logits of every row (this GPU's vocab share): the bound, not only the sampled rows."""
+    logits of the ``sampled`` rows (this GPU's vocab share: the runtime's lm_head runs on
+    the rows it samples from, at most one per sequence of the micro-batch)."""
     s, h = shape, shape.hidden
     attention = 2 * h + (s.q_dim + 2 * s.kv_dim) + s.q_dim
     mlp = 2 * h + 3 * s.inter
     per_row = max(attention, mlp) + (in_flight - 1) * h
     total = rows * per_row * s.dtype_bytes
     if last:
-        total += rows * s.vocab * 4
+        total += min(rows, sampled) * s.vocab * 4
     return total
 
 

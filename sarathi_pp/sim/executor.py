@@ -97,7 +97,9 @@ class SimExecutor:
         in_flight = self.config.parallel.microbatches_in_flight
         last = self.num_stages - 1
         self.activation_bytes = [
-            activation_bytes(shape, rows, in_flight, s.stage_idx == last)
+            activation_bytes(
+                shape, rows, in_flight, s.stage_idx == last, self.config.scheduler.max_num_seqs
+            )
             if p.device.startswith("cuda") else 0
             for s in stages
         ]  # fmt: skip

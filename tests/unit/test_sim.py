@@ -489,13 +489,17 @@ def test_activation_memory_comes_off_the_kv_cache(model_dir: Path):
     # hidden 256, q 256, kv 128, inter 512: attention 2*256 + (256 + 256) + 256 = 1280,
     # MLP 2*256 + 3*512 = 2048 per row; one more micro-batch's hidden state waits (256)
     assert activation_bytes(shape, 100, 2, last=False) == 100 * (2048 + 256) * 2
-    assert activation_bytes(shape, 100, 2, last=True) == 100 * (2048 + 256) * 2 + 100 * 1000 * 4
+    # the last stage: fp32 logits of the sampled rows (at most one per sequence)
+    last = activation_bytes(shape, 100, 2, last=True, sampled=8)
+    assert last == 100 * (2048 + 256) * 2 + 8 * 1000 * 4
     cluster = _cluster(model_dir, pp=2, chunk_size=512)
     executor = cluster.executor
     memory = executor.load_model()
+    seqs = executor.config.scheduler.max_num_seqs
     assert executor.activation_bytes == [
-        activation_bytes(shape, 512, 2, last=False), activation_bytes(shape, 512, 2, last=True)
-    ]  # fmt: skip
+        activation_bytes(shape, 512, 2, last=False),
+        activation_bytes(shape, 512, 2, last=True, sampled=seqs),
+    ]
     assert memory[0].memory_bytes == executor.placement.memory_bytes - executor.activation_bytes[0]
     assert memory[1].memory_bytes < memory[0].memory_bytes  # the logits
 
