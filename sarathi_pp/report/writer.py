@@ -40,7 +40,8 @@ def analyze_run(run_dir: str | Path) -> RunReport:
     d = check_run_dir(run_dir)
     log = load_log(RunDir(d).events)
     rows = load_requests(RunDir(d).requests)
-    analysis = analyze(log)
+    # A run drawn through a window (write_files) needs no segments of the whole run.
+    analysis = analyze(log, keep_segments=log.num_microbatches <= MAX_DRAWN_MICROBATCHES)
     return RunReport(d, log, analysis, build_summary(log, analysis, rows))
 
 

@@ -306,11 +306,16 @@ def test_exact_accounting_on_a_long_mixed_run(num_stages):
         overhead_s=3e-4,
         idle_before=gaps,
     )
-    a = run(simulate(mixed_workload(200, seed=num_stages), cfg))
+    records = simulate(mixed_workload(200, seed=num_stages), cfg)
+    a = run(records)
     assert a.window.steady_state
     for b in a.stages:
         assert 0 < b.idle_s < b.window_s
         assert b.bubbles_s["comm"] > 0
+    # without keeping the segments (a long run's report): the same figures
+    lean = analyze(parse_log(records, "test/events.jsonl"), keep_segments=False)
+    assert lean.stages == a.stages and lean.window == a.window
+    assert lean.segments == [[]] * num_stages and all(a.segments)
 
 
 # --- errors name the file -------------------------------------------------------------------
