@@ -267,7 +267,7 @@ def _compact(
                 "must satisfy compute_start <= compute_end <= send_end"
             )
         events.append(StageEvent(s, mb, kind, p, d, *map(float, t)))
-    done = {k: r[k] for k in ("type", "mb", "t", "wait", "full", "_line") if k in r}
+    done: dict[str, Any] = {k: r[k] for k in ("type", "mb", "t", "wait", "full", "_line") if k in r}
     return done, events
 
 
