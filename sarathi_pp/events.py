@@ -42,10 +42,10 @@ Schema version 3 (``SCHEMA_VERSION``; a version 1 or 2 log, which lacks what is 
             ``mb``, ``t``, optional ``wait`` and ``full`` (as ``done``), ``kind``,
             ``num_prefill_tokens``, ``num_decode_tokens``, and ``stages``: one list per
             stage, in stage order, of ``[wait_start, input_ready, compute_start,
-            compute_end, send_end]``. Written from the
-            ``compact_after``-th completed micro-batch on (``run.compact_events``: ``auto``
-            from the 2,000th, so a short run's log reads line by line and a simulated run
-            of 600,000 micro-batches x 8 stages writes 600,000 lines, not 5.4 million).
+            compute_end, send_end]``. Written from the ``compact_after``-th completed
+            micro-batch on (``run.compact_events``: ``auto`` from the 2,000th, so a short
+            run's log reads line by line and a simulated run of 600,000 micro-batches x 8
+            stages writes 600,000 lines, not 5.4 million).
 """
 
 from __future__ import annotations
