@@ -104,7 +104,15 @@ def measured_overheads(run_dir: Path) -> dict[str, float]:
 
 
 # --- this machine -----------------------------------------------------------------------------
+def _written(path: Path) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(path.stat().st_mtime))
+
+
 def machine(out: Path, repeats: int, num_requests: int | None, cached: bool = False) -> list[str]:
+    """Profiles and measured runs already in ``out`` are reused (an interrupted run resumes),
+    and the output names each one reused with when it was written: figures measured at
+    another time (another load) are not silently mixed with fresh ones."""
+    reused: list[str] = []
     lines = [f"### This machine (profiled model), {load()} at the start", ""]
     lines += ["| PP | workload | scheduler | tokens/s meas / sim | TBT p50 ms meas / sim | "
               "TBT p99 ms meas / sim | bubble frac meas / sim |", "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -112,7 +120,9 @@ def machine(out: Path, repeats: int, num_requests: int | None, cached: bool = Fa
         csv = out / f"profile-pp{pp}.csv"
         if cached and not csv.exists():
             continue
-        if not csv.exists():
+        if csv.exists():
+            reused.append(f"{csv.name} ({_written(csv)})")
+        else:
             sh(["profile", "--config", config, "--output", str(csv)], out / f"profile-pp{pp}.log")
         for wl in ("bubbles", "pipeline-scaling"):
             extra = ["--num-requests", str(num_requests)] if num_requests else []
@@ -121,7 +131,9 @@ def machine(out: Path, repeats: int, num_requests: int | None, cached: bool = Fa
                 d = out / f"meas-pp{pp}-{wl}-{k}"
                 if cached and not (d / "comparison.json").exists():
                     break
-                if not (d / "comparison.json").exists():
+                if (d / "comparison.json").exists():
+                    reused.append(f"{d.name} ({_written(d / 'comparison.json')})")
+                else:
                     sh(["bench", "--config", config, "--workload", f"configs/workloads/{wl}.yaml",
                         "--schedulers", ",".join(SCHEDULERS), "--run-dir", str(d), "--overwrite",
                         "--no-progress", *extra], out / f"{d.name}.log")  # fmt: skip
@@ -149,6 +161,9 @@ def machine(out: Path, repeats: int, num_requests: int | None, cached: bool = Fa
                 f"{1e3 * oh['dispatch_s']:.2f}, send {1e3 * oh['send_s']:.2f}, return "
                 f"{1e3 * oh['return_s']:.2f} |  |  |  |"
             )
+    if reused:
+        lines += ["", f"Reused from {out}, not measured by this run: {', '.join(reused)} "
+                  "(delete them or pass another --out to measure again)."]  # fmt: skip
     return [*lines, "", f"({load()} at the end)"]
 
 
