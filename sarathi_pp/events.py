@@ -206,11 +206,17 @@ class EventLog:
             self._idle_since = None
 
     def done(self, mb: int, t: float, wait: float | None = None, full: bool | None = None) -> None:
-        record: dict[str, Any] = {"type": "done", "mb": mb, "t": t - self.t0}
+        self._add(self._done_record("done", mb, t, wait, full))
+
+    def _done_record(
+        self, kind: str, mb: int, t: float, wait: float | None, full: bool | None
+    ) -> dict[str, Any]:
+        """A ``done`` record's fields (also the start of a compact ``microbatch`` one)."""
+        record: dict[str, Any] = {"type": kind, "mb": mb, "t": t - self.t0}
         if wait is not None:
             record["wait"] = wait - self.t0
             record["full"] = bool(full)
-        self._add(record)
+        return record
 
     # --- the engine loop's two moments, in one place for every consumer (the run dir's
     # recorder and the server's bubble window): a new field reaches both or neither ---------
@@ -251,10 +257,7 @@ class EventLog:
         self, mb: Any, events: Any, now: float, wait: float | None, full: bool | None
     ) -> None:
         t0 = self.t0
-        record: dict[str, Any] = {"type": "microbatch", "mb": mb.microbatch_id, "t": now - t0}
-        if wait is not None:
-            record["wait"] = wait - t0
-            record["full"] = bool(full)
+        record = self._done_record("microbatch", mb.microbatch_id, now, wait, full)
         e0 = events[0]
         record["kind"] = e0.kind
         record["num_prefill_tokens"] = e0.num_prefill_tokens

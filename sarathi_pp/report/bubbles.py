@@ -253,7 +253,8 @@ def stage_segments(
 ) -> list[Segment]:
     """Stage ``s``'s run as contiguous segments; ``prev``: stage ``s-1``'s segments;
     ``split``: stage 0's ``dependency`` and ``schedule`` cut into their measured parts."""
-    idles = [Segment(i.start, i.end, i.reason, None) for i in log.idles]
+    # stage 0's scheduler gaps (later stages get theirs passed down)
+    idles = [Segment(i.start, i.end, i.reason, None) for i in log.idles] if s == 0 else []
     passed = _sched_spans(prev)
     prev_stage = log.by_mb(s - 1) if s else {}
     events = log.stages[s]
@@ -313,19 +314,15 @@ def stage_bubbles(
     fill = drain = 0.0
     lo, hi = window.start, window.end
     for seg in segments:
-        if lo <= seg.start and seg.end <= hi:  # most segments: all inside the window
-            if seg.label == BUSY:
-                busy += seg.end - seg.start
-            else:
-                bubbles[seg.label] = bubbles.get(seg.label, 0.0) + (seg.end - seg.start)
-            continue
-        inside = _overlap(seg, lo, hi)
+        within = lo <= seg.start and seg.end <= hi  # most segments: no overlaps to compute
+        inside = seg.end - seg.start if within else _overlap(seg, lo, hi)
         if seg.label == BUSY:
             busy += inside
             continue
         bubbles[seg.label] = bubbles.get(seg.label, 0.0) + inside
-        fill += _overlap(seg, run_start, lo)
-        drain += _overlap(seg, hi, run_end)
+        if not within:
+            fill += _overlap(seg, run_start, lo)
+            drain += _overlap(seg, hi, run_end)
     idle = sum(bubbles.values())
     return StageBubbles(s, busy, idle, window.duration, bubbles, fill, drain)
 

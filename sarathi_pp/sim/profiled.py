@@ -17,9 +17,10 @@ nearly what 8 rows cost): when the CSV has decode-only rows of two sizes or more
 context (``sarathi-pp profile``'s decode sweep), such a micro-batch's time is read off
 them instead (``DecodeTable``: piecewise linear in the decodes at each profiled context,
 then linear in the mean context between contexts, extrapolated past the largest), and the
-linear fit is made on the rows with a prefill chunk. A stage with a different number of layers than the profiled one
-takes the time in proportion (the CSV's ``num_layers``; without it the largest stage is
-assumed). Sends, the token return and the driver's time are not in the CSV: they are the
+linear fit is made on the rows with a prefill chunk.
+
+A stage with a different number of layers than the profiled one takes the time in
+proportion (the CSV's ``num_layers``; without it the largest stage is assumed). Sends, the token return and the driver's time are not in the CSV: they are the
 ``Overheads`` (measured on a real run's ``events.jsonl``).
 """
 
