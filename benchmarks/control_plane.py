@@ -13,7 +13,9 @@ microseconds, from the run's ``events.jsonl``; one clock for every process on on
 - ``driver``: the driver's own work per micro-batch: scheduling + submit + applying the
   tokens (from its ``issue`` records and the waits between);
 - ``L``: the last stage finished j -> micro-batch j+M reached stage 0 (M in flight): the
-  whole loop back, what stage 0 idles per micro-batch when the pipeline is full.
+  whole loop back, what stage 0 idles per micro-batch when the pipeline is full. With
+  scheduling ahead (``ray+ahead``) j+M was handed over before j finished and waits at
+  stage 0 for j's tokens over the ring: L is then the ring's latency.
 
     python benchmarks/control_plane.py                  # bubbles.yaml, ~5 min on 2 cores
     python benchmarks/control_plane.py --quick          # short.yaml, a smoke run
@@ -37,7 +39,14 @@ from sarathi_pp.bench.workload import BenchRequest
 from sarathi_pp.report import write_report
 from sarathi_pp.report.log import RunLog, load_log
 
-EXECUTORS = ("ray", "ray_compiled")
+# Name -> the engine settings it runs with: the task path without and with scheduling ahead
+# (the token ring), and the compiled graph (which has no ring).
+VARIANTS = {
+    "ray": {"executor": "ray", "schedule_ahead": False},
+    "ray+ahead": {"executor": "ray", "schedule_ahead": True},
+    "ray_compiled": {"executor": "ray_compiled", "schedule_ahead": False},
+}
+EXECUTORS = tuple(VARIANTS)
 SCHEDULERS = ("sarathi", "vllm", "orca")
 WORKLOAD = "configs/workloads/bubbles.yaml"
 QUICK_WORKLOAD = "configs/workloads/short.yaml"
@@ -48,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/tiny-llama-pp2.yaml")
     p.add_argument("--out", default="runs/control_plane", help="run dirs below this")
-    p.add_argument("--executors", default=",".join(EXECUTORS))
+    p.add_argument("--executors", default=",".join(EXECUTORS), help="of " + ", ".join(EXECUTORS))
     p.add_argument("--schedulers", default=",".join(SCHEDULERS))
     p.add_argument("--microbatches-in-flight", default="", help="e.g. 2,3 (default: stages)")
     p.add_argument("--workload", default=None, help=f"workload YAML (default {WORKLOAD})")
@@ -58,12 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_one(args, executor: str, scheduler: str, in_flight: int | None,
+def run_one(args, variant: str, scheduler: str, in_flight: int | None,
             requests: list[BenchRequest], run_dir: Path) -> float:  # fmt: skip
     extra = {"num_microbatches_in_flight": in_flight} if in_flight else {}
     llm = LLM.from_config(
         args.config, scheduler=scheduler, chunk_size=args.chunk_size, run_dir=str(run_dir),
-        overwrite=True, num_threads_per_stage=1, executor=executor, **extra,
+        overwrite=True, num_threads_per_stage=1, **VARIANTS[variant], **extra,
     )  # fmt: skip
     try:
         prompts = [list(r.prompt_token_ids) for r in requests]
@@ -113,6 +122,9 @@ def loop_costs(log: RunLog, in_flight: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     executors = [e.strip() for e in args.executors.split(",") if e.strip()]
+    unknown = [e for e in executors if e not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--executors: unknown {unknown}; valid: {', '.join(VARIANTS)}")
     policies = [s.strip() for s in args.schedulers.split(",") if s.strip()]
     in_flights = [int(x) for x in args.microbatches_in_flight.split(",") if x.strip()] or [None]
     workload = load_args_workload(args, WORKLOAD, QUICK_WORKLOAD)

@@ -23,6 +23,8 @@ GiB = 1 << 30
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("auto", "uniproc", "ray", "ray_compiled", "torchrun")
+# Executors that pass sampled tokens from the last stage to stage 0 (``schedule_ahead``).
+RING_EXECUTORS = ("uniproc", "ray")
 # The scheduler policies (``scheduler/registry.py`` maps each to its class).
 SCHEDULER_POLICIES = ("sarathi", "vllm", "orca", "simple_chunking")
 BUILTIN_PREFIX = "builtin:"  # model.path of a model the project builds itself
@@ -176,6 +178,15 @@ class ParallelConfig:
     running requests recomputed) before the engine gives up with ``StageError``."""
     inject_fault: str | None = None
     """Testing only: faults the stages inject (``sarathi_pp/faults.py`` has the format)."""
+    schedule_ahead: bool | str = "auto"
+    """Build and hand over the next micro-batch while the last stage is still sampling the
+    oldest one's tokens: its decodes of those tokens get their input token from the last
+    stage's result on the way to stage 0 (the token ring), not through the driver, so the
+    driver's work (applying tokens, scheduling, dispatch) leaves the critical path. One
+    micro-batch more is in flight, waiting at stage 0 for the ring. ``auto``: on for the
+    ``ray`` executor with 2+ stages when the driver has a core of its own (the placement
+    decides: ``placement.resolve_schedule_ahead``); ``ray_compiled`` and ``torchrun`` have no
+    ring."""
 
     def __post_init__(self) -> None:
         _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
@@ -191,6 +202,23 @@ class ParallelConfig:
             parse_faults(self.inject_fault)
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if not (isinstance(self.schedule_ahead, bool) or self.schedule_ahead == "auto"):
+            raise ValueError(
+                f"schedule_ahead must be true, false or auto, got {self.schedule_ahead!r}"
+            )
+        if self.schedule_ahead is True and self.executor_name not in RING_EXECUTORS:
+            raise ValueError(
+                f"schedule_ahead=true needs an executor with a token ring "
+                f"({', '.join(RING_EXECUTORS)}), not {self.executor_name!r}"
+            )
+        if self.schedule_ahead is True and self.microbatches_in_flight < self.pipeline_parallel_size:
+            raise ValueError(
+                f"schedule_ahead=true needs num_microbatches_in_flight >= "
+                f"pipeline_parallel_size ({self.pipeline_parallel_size}), got "
+                f"{self.microbatches_in_flight}: a decode is scheduled ahead of a token the "
+                f"last stage samples as stage 0 reaches it, {self.pipeline_parallel_size} "
+                f"micro-batches later"
+            )
         if (
             isinstance(self.stage_timeout_s, bool)
             or not isinstance(self.stage_timeout_s, (int, float))
@@ -207,6 +235,7 @@ class ParallelConfig:
     @property
     def microbatches_in_flight(self) -> int:
         return self.num_microbatches_in_flight or self.pipeline_parallel_size
+
 
 
 @dataclass(frozen=True)
@@ -291,6 +320,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "run_dir": ("run", "run_dir"),
     "overwrite": ("run", "overwrite"),
     "compact_events": ("run", "compact_events"),
+    "schedule_ahead": ("parallel", "schedule_ahead"),
 }
 
 

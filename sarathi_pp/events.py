@@ -19,7 +19,9 @@ Schema version 3 (``SCHEMA_VERSION``; a version 1 or 2 log, which lacks what is 
 ``issue``   the scheduler issued a micro-batch: ``mb``, ``t`` (scheduling began), ``kind``,
             ``num_prefill_tokens``, ``num_decode_tokens``; since 2, optional: ``submit``
             (the micro-batch was built and handed to the executor: from there to stage 0's
-            ``input_ready`` is dispatch).
+            ``input_ready`` is dispatch); since 3, optional: ``ring`` (scheduled ahead: the
+            newest micro-batch whose sampled tokens its decodes take over the token ring;
+            stage 0's ``input_ready`` is then when they arrived).
 ``idle``    the scheduler had nothing to issue: ``start``, ``end``, ``reason``
             (``no_work``: no request had arrived; ``dependency``: every schedulable
             sequence waited for its sampled token, no KV block was free, or the in-flight
@@ -175,7 +177,10 @@ class EventLog:
         num_prefill: int,
         num_decode: int,
         submit: float | None = None,
+        ring: int | None = None,
     ) -> None:
+        """``ring``: the newest micro-batch whose sampled tokens this one (scheduled ahead)
+        takes as decode inputs over the token ring."""
         self.end_idle(t)
         record = {
             "type": "issue",
@@ -187,6 +192,8 @@ class EventLog:
         }
         if submit is not None:
             record["submit"] = submit - self.t0
+        if ring is not None:
+            record["ring"] = ring
         self._add(record)
 
     def idle(self, t: float, reason: str) -> None:
@@ -224,9 +231,11 @@ class EventLog:
         """``microbatch`` (a ``MicroBatch``; duck-typed: this module sits below it) was
         scheduled from ``now`` and handed to the executor at ``submit``."""
         mb = microbatch
+        sources = mb.ring_sources
         self.issue(
-            mb.microbatch_id, now, mb.kind, mb.num_prefill_tokens, mb.num_decode_tokens, submit
-        )
+            mb.microbatch_id, now, mb.kind, mb.num_prefill_tokens, mb.num_decode_tokens, submit,
+            sources[-1] if sources else None,
+        )  # fmt: skip
 
     def completed(
         self,

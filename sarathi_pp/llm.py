@@ -178,6 +178,10 @@ class LLM:
                         bar.update(1)
                         if on_finished is not None:
                             on_finished(index[out.request_id], out)
+            # Scheduled ahead, a decode of a request that has since stopped may still be
+            # in flight: the engine is left idle (its blocks freed, set_scheduler allowed).
+            while self.engine.num_inflight and not self.engine.scheduler.has_unfinished():
+                self.engine.step()
         finally:
             bar.close()
         return [done[i] for i in ids]

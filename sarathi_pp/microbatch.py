@@ -7,7 +7,7 @@ the flat batch follow the order of ``chunks``: prefill chunks first, then decode
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sarathi_pp.events import StageEvent
 from sarathi_pp.sampling_params import SamplingParams
@@ -26,6 +26,10 @@ class ScheduledChunk:
     # one token from its last row. ``num_output_tokens`` keys per-request seeded sampling.
     sampling_params: SamplingParams | None = None
     num_output_tokens: int = 0
+    # Scheduling ahead (``parallel.schedule_ahead``): a decode whose input token is still
+    # being sampled by micro-batch ``ring_from`` (``token_ids == (RING_TOKEN,)``); stage 0
+    # fills it in from that micro-batch's result (``fill_ring``) before running. -1: known.
+    ring_from: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -42,7 +46,8 @@ class ScheduledChunk:
     def __repr__(self) -> str:
         kind = "P" if self.is_prefill else "D"
         s = "*" if self.do_sample else ""
-        return f"{kind}{self.seq_id}[{self.start}:{self.end}]{s}"
+        ring = f"<-MB{self.ring_from}" if self.ring_from >= 0 else ""
+        return f"{kind}{self.seq_id}[{self.start}:{self.end}]{s}{ring}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +75,12 @@ class MicroBatch:
         return sum(c.num_tokens for c in self.chunks)
 
     @property
+    def ring_sources(self) -> tuple[int, ...]:
+        """The micro-batches (ids, ascending) whose sampled tokens this one's decodes take
+        as input: empty unless it was scheduled ahead of their results."""
+        return tuple(sorted({c.ring_from for c in self.chunks if c.ring_from >= 0}))
+
+    @property
     def sampled_seq_ids(self) -> list[int]:
         return [c.seq_id for c in self.chunks if c.do_sample]
 
@@ -87,6 +98,27 @@ class MicroBatch:
             f"MB{self.microbatch_id}<{self.kind} P={self.num_prefill_tokens} "
             f"D={self.num_decode_tokens}: {body}>"
         )
+
+
+# The input token of a decode scheduled ahead, until ``fill_ring`` replaces it.
+RING_TOKEN = -1
+
+
+def fill_ring(microbatch: MicroBatch, sampled: dict[int, dict[int, int]]) -> MicroBatch:
+    """``microbatch`` with the input token of every decode scheduled ahead of micro-batch
+    ``j`` taken from ``sampled[j]`` (``seq_id -> token``, the last stage's result of ``j``),
+    for the ``j`` that ``sampled`` has. A sequence that ``j`` did not sample (it failed
+    there) gets token 0: its row still runs (every stage expects it) and the engine drops
+    what it samples, since the sequence has ended with ``j``'s error."""
+    if not any(c.ring_from in sampled for c in microbatch.chunks):
+        return microbatch
+    chunks = tuple(
+        replace(c, token_ids=(sampled[c.ring_from].get(c.seq_id, 0),), ring_from=-1)
+        if c.ring_from in sampled
+        else c
+        for c in microbatch.chunks
+    )
+    return MicroBatch(microbatch.microbatch_id, chunks)
 
 
 @dataclass

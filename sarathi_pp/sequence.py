@@ -10,6 +10,9 @@ Token accounting (see DESIGN.md, "One request's way through"):
 * A sequence is schedulable while ``num_scheduled_tokens < num_tokens``. After its last
   token is issued it waits for the sampled token (``num_scheduled == num_tokens``), which is
   exactly the decode dependency of a pipeline.
+* Scheduling ahead (``parallel.schedule_ahead``) may issue that next token's decode before
+  it is sampled (its input comes from the last stage over the token ring): then
+  ``num_scheduled_tokens == num_tokens + 1`` until the sampled token is appended.
 * Preemption by recompute resets ``num_scheduled_tokens`` to 0 and frees the blocks; the
   generated tokens are kept and are recomputed as part of the next prefill.
 """
@@ -64,6 +67,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_scheduled_tokens = 0
         self.num_inflight = 0  # micro-batches issued and not yet done that hold this seq
+        # The micro-batch in flight whose last stage samples this sequence's next token
+        # (-1: none). Scheduling ahead issues a decode of that token before it is known.
+        self.sampling_microbatch = -1
         self.block_table: list[int] = []
         self.admit_order = -1  # set at each admission; larger = admitted more recently
         self.last_scheduled_step = -1

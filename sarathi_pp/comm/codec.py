@@ -177,6 +177,7 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "block_table": INTS,
             "sampling_params": _optional(_record(SamplingParams)),
             "num_output_tokens": INT,
+            "ring_from": INT,
         },
     ),
     MicroBatch: (

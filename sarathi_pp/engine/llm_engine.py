@@ -103,7 +103,13 @@ class LLMEngine(PipelineFaults):
             config.scheduler.max_num_seqs,
         )  # fmt: skip
         self.executor.init_kv_cache(self.num_kv_blocks, self.block_size)
-        self.max_inflight = config.parallel.microbatches_in_flight
+        # Scheduling ahead: one micro-batch more in flight, its decodes fed by the ring.
+        self.schedule_ahead = self.placement.schedule_ahead
+        self.max_inflight = config.parallel.microbatches_in_flight + int(self.schedule_ahead)
+        if config.parallel.pipeline_parallel_size > 1:
+            state = "on" if self.schedule_ahead else "off"
+            logger.info("scheduling ahead %s (%s)", state, self.placement.schedule_ahead_source)
+        self.num_stages = config.parallel.pipeline_parallel_size
         self.scheduler = self._create_scheduler(config.scheduler)
 
     # --- what the engine runs ----------------------------------------------------------
@@ -141,7 +147,8 @@ class LLMEngine(PipelineFaults):
                 self.max_model_len, config.max_num_seqs,
             )  # fmt: skip
         return create_scheduler(
-            config, self.num_kv_blocks, self.block_size, self.max_model_len, self.max_inflight,
+            config, self.num_kv_blocks, self.block_size, self.max_model_len,
+            self.config.parallel.microbatches_in_flight,  # decode groups: not the one ahead
             b, first_microbatch_id,
         )  # fmt: skip
 
@@ -234,12 +241,17 @@ class LLMEngine(PipelineFaults):
         """Issue every micro-batch the scheduler can, up to the in-flight limit."""
         while len(self._inflight) < self.max_inflight:
             now = self.now()
+            # Ahead: decodes of the tokens micro-batches at least num_stages older than this
+            # one are sampling (stage 0 reaches it about when the last stage has them).
+            ring_upto = -1
+            if self.schedule_ahead and len(self._inflight) >= self.num_stages:
+                ring_upto = self._inflight[len(self._inflight) - self.num_stages].microbatch_id
             # Scheduled, tracked and handed to every stage, or none of it: a Ctrl-C between
             # two stages' submissions would leave one stage a micro-batch behind the other
             # on their activation channel (the next run's micro-batch would meet a stale one).
             with deferred_interrupts():
                 self.recorder.before_schedule(now, self.scheduler)
-                microbatch = self.scheduler.schedule(now)
+                microbatch = self.scheduler.schedule(now, ring_upto)
                 if microbatch is None:
                     self.recorder.idle(now, self.scheduler.idle_reason)
                     return

@@ -14,7 +14,7 @@ from collections import deque
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.events import StageEvent
-from sarathi_pp.microbatch import MicroBatch, StepResult
+from sarathi_pp.microbatch import MicroBatch, StepResult, fill_ring
 from sarathi_pp.placement import resolve_placement
 from sarathi_pp.planner.memory import StageMemory
 from sarathi_pp.stages.device import probe_resources, set_num_threads
@@ -44,7 +44,11 @@ class UniprocExecutor:
 
     def submit(self, microbatch: MicroBatch) -> None:
         compute_start = time.monotonic()
-        result = self._run(microbatch)
+        if microbatch.ring_sources:  # scheduled ahead: its sources ran already, in _done
+            ring = {mb.microbatch_id: r.sampled for mb, r in self._done}
+            result = self._run(fill_ring(microbatch, ring))
+        else:
+            result = self._run(microbatch)
         end = time.monotonic()
         result.events = [
             StageEvent(0, microbatch.microbatch_id, microbatch.kind, microbatch.num_prefill_tokens,

@@ -72,7 +72,7 @@ SHAPE_CLASSES = ("PB1", "PB2", "PB3", "hybrid")
 # own share (too few sequences to fill the micro-batches in flight), ``dependency`` the
 # unsplit rest of an older log, ``recovery`` the engine replacing a lost stage.
 RUNTIME_CLASSES = (
-    "comm", "load", "in_flight", "token_return", "driver", "schedule", "dispatch",
+    "comm", "load", "in_flight", "token_return", "driver", "schedule", "dispatch", "ring",
     DEPENDENCY, "recovery",
 )  # fmt: skip
 BUBBLE_CLASSES = (*SHAPE_CLASSES, *RUNTIME_CLASSES, "no_work")
@@ -294,9 +294,8 @@ def split_runtime(log: RunLog, segments: list[Segment]) -> list[Segment]:
             continue
         pieces = [seg]
         if seg.mb in dispatch:  # stage 0 waits for a micro-batch already handed over
-            a, b = dispatch[seg.mb]
-            span = [Segment(a, b, "dispatch", None)]
-            pieces = paint(seg.start, seg.end, span, seg.label, seg.mb)
+            spans = [Segment(a, b, label, None) for a, b, label in dispatch[seg.mb]]
+            pieces = paint(seg.start, seg.end, spans, seg.label, seg.mb)
         for p in pieces:
             out += paint(p.start, p.end, waits, rest, p.mb) if p.label == DEPENDENCY else [p]
     return out

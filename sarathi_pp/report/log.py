@@ -52,6 +52,7 @@ class Issue:
     num_prefill_tokens: int
     num_decode_tokens: int
     submit: float | None = None  # handed to the executor (None: an older log)
+    ring: int | None = None  # scheduled ahead: the newest micro-batch it takes tokens of
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +197,7 @@ def _issue(r: dict[str, Any], source: str) -> Issue:
         _int(r, "num_prefill_tokens", source),
         _int(r, "num_decode_tokens", source),
         _num(r, "submit", source) if "submit" in r else None,
+        _int(r, "ring", source) if "ring" in r else None,
     )
 
 

@@ -24,7 +24,11 @@ them):
 First, stage 0's wait for ``k`` over ``[submit(k), input_ready(k)]`` is ``dispatch`` (the
 micro-batch handed to the executor until stage 0 has it), whichever of the two classes it
 had: the driver, having submitted ``k``, may already wait for tokens (``dependency``) while
-``k`` travels. The rest of ``schedule`` stays ``schedule``: building the micro-batch
+``k`` travels. When ``k`` was scheduled ahead (its ``issue`` names ``ring = j``: its decodes
+take ``j``'s tokens over the token ring), ``input_ready(k)`` is when those tokens reached
+stage 0 and the span is cut at ``x = send_end(j)`` on the last stage: before ``x``
+``in_flight`` (``j`` still in the pipeline), after it ``ring`` (the tokens' way from the
+last stage to stage 0). The rest of ``schedule`` stays ``schedule``: building the micro-batch
 (``[t(k), submit(k)]``) and stage 0's own start (``input_ready -> compute_start``).
 
 An older log (no ``wait``) still gets ``token_return`` (from the previous ``done`` on: the
@@ -47,6 +51,7 @@ LEGACY_CLASS = {
     "token_return": DEPENDENCY,
     "driver": DEPENDENCY,
     "dispatch": SCHEDULE,  # or DEPENDENCY: see the module
+    "ring": SCHEDULE,  # or DEPENDENCY, as dispatch
 }
 
 Span = tuple[float, float, str]  # [start, end] spent ``label``
@@ -77,12 +82,21 @@ def dependency_rest(log: RunLog) -> str:
     return "driver" if log.waits else DEPENDENCY
 
 
-def dispatch_spans(log: RunLog) -> dict[int, tuple[float, float]]:
-    """Per micro-batch with a ``submit`` time, ``[submit, input_ready on stage 0]``."""
-    first = log.by_mb(0)
+def dispatch_spans(log: RunLog) -> dict[int, list[Span]]:
+    """Per micro-batch with a ``submit`` time, ``[submit, input_ready on stage 0]`` as
+    ``dispatch``, or for one scheduled ahead as ``in_flight`` then ``ring`` (see the
+    module); sorted, disjoint, non-empty."""
+    first, last = log.by_mb(0), log.by_mb(log.num_stages - 1)
     out = {}
     for i in log.issues:
         e = first.get(i.mb)
-        if i.submit is not None and e is not None and e.input_ready > i.submit:
-            out[i.mb] = (i.submit, e.input_ready)
+        if i.submit is None or e is None or e.input_ready <= i.submit:
+            continue
+        a, b = i.submit, e.input_ready
+        source = last.get(i.ring) if i.ring is not None else None
+        if source is None:
+            out[i.mb] = [(a, b, "dispatch")]
+            continue
+        x = min(max(source.send_end, a), b)
+        out[i.mb] = [s for s in ((a, x, "in_flight"), (x, b, "ring")) if s[1] > s[0]]
     return out

@@ -37,6 +37,7 @@ CLASS_COLORS = {
     "driver": "#637939",
     "schedule": "#7f7f7f",
     "dispatch": "#00a087",
+    "ring": "#e377c2",
     "dependency": "#a55194",
     "recovery": "#bcbd22",
     "no_work": "#1a1a1a",

@@ -6,6 +6,13 @@ micro-batch (``_select``); this base turns the choice into a ``MicroBatch``.
 Lifecycle: ``add`` -> ``schedule(now)`` (zero or more times, each micro-batch is in flight until)
 -> ``on_step_done(microbatch, sampled, now)`` -> the engine checks stop conditions and calls
 ``finish``. Blocks of a finished sequence are freed once no micro-batch in flight holds it.
+
+Scheduling ahead (``schedule(now, ring_upto=j)``): a sequence whose next token micro-batch
+``<= j`` is still sampling may get that token's decode now, its input token marked
+``RING_TOKEN`` (stage 0 takes it from the last stage's result: the token ring). Not when
+that token ends the sequence by length (``max_tokens``, ``max_model_len``): the decode
+would be wasted. When it ends it by a stop token or string, the ahead decode's token is
+dropped (the sequence is finished when it comes back), as in vLLM's async scheduling.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from collections.abc import Iterator
 
 from sarathi_pp.block_manager import BlockManager
 from sarathi_pp.config import SchedulerConfig
-from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
+from sarathi_pp.microbatch import RING_TOKEN, MicroBatch, ScheduledChunk
 from sarathi_pp.planner.memory import kv_decode_batch
 from sarathi_pp.planner.tuner import ChunkTuner
 from sarathi_pp.sequence import Sequence, SequenceStatus
@@ -69,6 +76,8 @@ class Scheduler(ABC):
         self._step = 0
         self.idle_reason: str | None = None
         self.num_preemptions = 0
+        self._ring_upto = -1  # the newest micro-batch whose tokens may be used ahead
+        self._ahead: set[int] = set()  # sequences offered a decode ahead in this schedule()
         self.tuner: ChunkTuner | None = None  # set for ``chunk_size: auto``
         # Policies that run whole prompts ignore chunk_size, "auto" included (README:
         # settings a policy does not use are accepted, so one config serves every policy).
@@ -135,8 +144,12 @@ class Scheduler(ABC):
             self.seqs.pop(seq.seq_id, None)
 
     # --- scheduling ----------------------------------------------------------------------
-    def schedule(self, now: float) -> MicroBatch | None:
-        """The next micro-batch, or ``None`` (then ``idle_reason`` says why)."""
+    def schedule(self, now: float, ring_upto: int = -1) -> MicroBatch | None:
+        """The next micro-batch, or ``None`` (then ``idle_reason`` says why).
+        ``ring_upto``: decodes may be scheduled ahead of the tokens micro-batches up to
+        this id are sampling (-1: none; the engine's ``parallel.schedule_ahead``)."""
+        self._ring_upto = ring_upto
+        self._ahead = set()
         selection = self._select(now)
         if not selection:
             self.idle_reason = IDLE_DEPENDENCY if self._has_arrived_work(now) else IDLE_NO_WORK
@@ -153,7 +166,10 @@ class Scheduler(ABC):
     ) -> list[Sequence]:
         """Account a finished micro-batch; returns the live sequences that received a token."""
         for chunk in microbatch.chunks:
-            self.seqs_by_id(chunk.seq_id).num_inflight -= 1
+            seq = self.seqs_by_id(chunk.seq_id)
+            seq.num_inflight -= 1
+            if seq.sampling_microbatch == microbatch.microbatch_id:
+                seq.sampling_microbatch = -1
         updated = []
         for seq_id, token in sampled.items():
             seq = self.seqs_by_id(seq_id)
@@ -174,6 +190,7 @@ class Scheduler(ABC):
         requeued = []
         for seq in held.values():
             seq.num_inflight = 0
+            seq.sampling_microbatch = -1
             if seq.is_finished:
                 self._release_if_idle(seq)
             elif seq.status is SequenceStatus.RUNNING:
@@ -206,9 +223,31 @@ class Scheduler(ABC):
         return bool(self.running) or next(self._iter_arrived(now), None) is not None
 
     def _decode_candidates(self) -> list[Sequence]:
-        """Running sequences ready for one decode token, least recently scheduled first."""
+        """Running sequences ready for one decode token, least recently scheduled first:
+        those whose token is known and, when scheduling ahead, those whose token a
+        micro-batch up to ``ring_upto`` is sampling (``_ahead``)."""
         ready = [s for s in self.running if s.is_decode]
+        if self._ring_upto >= 0:
+            ahead = [s for s in self.running if self._can_decode_ahead(s)]
+            self._ahead = {s.seq_id for s in ahead}
+            ready += ahead
         return sorted(ready, key=lambda s: (s.last_scheduled_step, s.admit_order))
+
+    def _can_decode_ahead(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s next token, being sampled by a micro-batch up to
+        ``ring_upto`` (its only one in flight), may be decoded before it is known: not
+        when that token ends the sequence by length."""
+        return (
+            seq.num_inflight == 1
+            and 0 <= seq.sampling_microbatch <= self._ring_upto
+            and seq.num_scheduled_tokens == len(seq.token_ids)
+            and len(seq.output_token_ids) + 1 < seq.params.max_tokens
+            and len(seq.token_ids) + 1 < self.max_model_len
+        )
+
+    def _is_decode(self, seq: Sequence) -> bool:
+        """One decode token next: a known one, or one scheduled ahead."""
+        return seq.is_decode or seq.seq_id in self._ahead
 
     def _decode_share(self) -> int:
         """Most decodes one micro-batch takes: its share of the running sequences, so that
@@ -274,13 +313,13 @@ class Scheduler(ABC):
         from the end; never below one prefill token (then nothing is trimmed)."""
         tile = self.config.tile_size
         excess = sum(n for _, n in selection) % tile
-        prefill_rows = sum(n for s, n in selection if not s.is_decode)
+        prefill_rows = sum(n for s, n in selection if not self._is_decode(s))
         if excess == 0 or prefill_rows <= excess:
             return selection
         out = list(selection)
         for i in range(len(out) - 1, -1, -1):
             seq, n = out[i]
-            if seq.is_decode or excess == 0:
+            if self._is_decode(seq) or excess == 0:
                 continue
             cut = min(n, excess)
             excess -= cut
@@ -289,8 +328,8 @@ class Scheduler(ABC):
 
     def _make_microbatch(self, selection: Selection, now: float) -> MicroBatch:
         self._step += 1
-        prefills = [(s, n) for s, n in selection if not s.is_decode]
-        decodes = [(s, n) for s, n in selection if s.is_decode]
+        prefills = [(s, n) for s, n in selection if not self._is_decode(s)]
+        decodes = [(s, n) for s, n in selection if self._is_decode(s)]
         chunks = []
         for seq, n in prefills + decodes:  # layout: prefill rows first, then decode rows
             chunks.append(self._issue(seq, n))
@@ -300,19 +339,29 @@ class Scheduler(ABC):
 
     def _issue(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_scheduled_tokens
-        assert 0 < n <= seq.num_pending_tokens, (seq, n)
         assert len(seq.block_table) * self.block_manager.block_size >= start + n, seq
-        is_prefill = not seq.is_decode
+        if seq.seq_id in self._ahead:  # the token micro-batch ``ring_from`` is sampling
+            assert n == 1 and start == seq.num_tokens, (seq, n)
+            token_ids, ring_from = (RING_TOKEN,), seq.sampling_microbatch
+            num_output_tokens = seq.num_output_tokens + 1
+        else:
+            assert 0 < n <= seq.num_pending_tokens, (seq, n)
+            token_ids, ring_from = tuple(seq.token_ids[start : start + n]), -1
+            num_output_tokens = seq.num_output_tokens
+        is_prefill = not self._is_decode(seq)
         seq.num_scheduled_tokens += n
         seq.num_inflight += 1
         seq.last_scheduled_step = self._step
-        reaches_end = seq.num_scheduled_tokens == seq.num_tokens
+        reaches_end = seq.num_scheduled_tokens >= seq.num_tokens
+        if reaches_end:
+            seq.sampling_microbatch = self._next_microbatch_id
         return ScheduledChunk(
             seq_id=seq.seq_id,
             start=start,
-            token_ids=tuple(seq.token_ids[start : start + n]),
+            token_ids=token_ids,
             is_prefill=is_prefill,
             block_table=tuple(seq.block_table),
             sampling_params=seq.params if reaches_end else None,
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=num_output_tokens,
+            ring_from=ring_from,
         )

@@ -78,6 +78,6 @@ class SarathiScheduler(Scheduler):
 
     def _reserve_prefills(self, selection: Selection) -> Selection:
         for seq, n in selection:
-            if not seq.is_decode:
+            if not self._is_decode(seq):
                 self.block_manager.grow(seq, seq.num_scheduled_tokens + n)
         return selection

@@ -9,6 +9,11 @@ computed). The driver has the sampled tokens ``return_s`` after the last stage e
 ``wait_oldest`` moves the clock there. Each stage's timing is the ``StageEvent`` a real
 stage reports, so ``events.jsonl`` reads as a real run's.
 
+A micro-batch scheduled ahead (``parallel.schedule_ahead``) starts on stage 0 no earlier
+than its ring sources' tokens get there: as on Ray's task path, the last stage's result
+goes to the driver's core worker (``return_s``) and on to stage 0 (``dispatch_s``),
+without the driver's own ``driver_s``.
+
 Sampled tokens are a fixed non-EOS id: outputs end by length (the workloads run with
 ``ignore_eos``), which is all the schedulers look at.
 """
@@ -84,6 +89,7 @@ class SimExecutor:
         self._token = _token_id(checkpoint.spec.eos_token_ids)
         self._free = [clock.now()] * self.num_stages  # each stage's last compute end
         self._inflight: deque[tuple[MicroBatch, float, list[StageEvent]]] = deque()
+        self._ring_ready: dict[int, float] = {}  # micro-batch in flight -> its tokens at stage 0
 
     def load_model(self) -> list[StageMemory]:
         """Each GPU's share of its stage: parameters and K/V split over ``tp``; on a
@@ -94,7 +100,7 @@ class SimExecutor:
         kv_split = min(self.tp, self.spec.num_kv_heads)  # KV heads replicated past that
         shape = LayerShape.of(self.spec, self.tp, p.dtype)
         rows = max_rows(self.config.scheduler, self.max_model_len)
-        in_flight = self.config.parallel.microbatches_in_flight
+        in_flight = self.config.parallel.microbatches_in_flight + int(p.schedule_ahead)
         last = self.num_stages - 1
         self.activation_bytes = [
             activation_bytes(
@@ -119,6 +125,8 @@ class SimExecutor:
         cost = self.cost_model.costs(microbatch)
         mb, events = microbatch, []
         ready = self.clock.now() + o.dispatch_s
+        for j in mb.ring_sources:
+            ready = max(ready, self._ring_ready[j])
         for s in range(self.num_stages):
             start = max(ready, self._free[s])
             end = start + cost.compute_s[s]
@@ -130,6 +138,7 @@ class SimExecutor:
             ready = end + cost.send_s[s] + o.send_s
         back = cost.return_s if o.return_s is None else o.return_s
         self._inflight.append((mb, events[-1].compute_end + back, events))
+        self._ring_ready[mb.microbatch_id] = events[-1].compute_end + back + o.dispatch_s
 
     def next_done(self) -> float | None:
         """When the driver will have the oldest micro-batch's tokens (None: none in flight)."""
@@ -137,12 +146,14 @@ class SimExecutor:
 
     def wait_oldest(self) -> tuple[MicroBatch, StepResult]:
         mb, done, events = self._inflight.popleft()
+        self._ring_ready.pop(mb.microbatch_id, None)
         self.clock.advance_to(done)
         sampled = dict.fromkeys(mb.sampled_seq_ids, self._token)
         return mb, StepResult(sampled=sampled, events=events)
 
     def reset(self) -> None:
         self._inflight.clear()
+        self._ring_ready.clear()
         self._free = [self.clock.now()] * self.num_stages
 
     def shutdown(self) -> None:

@@ -10,6 +10,7 @@ sampled tokens. Activations never pass through the control plane.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import socket
 import time
@@ -26,9 +27,10 @@ from sarathi_pp.comm.dist_setup import (
     rendezvous_listener,
 )
 from sarathi_pp.comm.p2p import StageTransport
+from sarathi_pp.comm.ring import TokenRing
 from sarathi_pp.config import ParallelConfig
 from sarathi_pp.events import StageEvent
-from sarathi_pp.microbatch import MicroBatch, StepResult
+from sarathi_pp.microbatch import MicroBatch, StepResult, fill_ring
 from sarathi_pp.planner.memory import StageMemory
 from sarathi_pp.stages.device import set_num_threads
 from sarathi_pp.stages.fault_injector import FaultInjector
@@ -49,8 +51,11 @@ class PipelineStage:
         self.worker = StageWorker(checkpoint.spec, checkpoint.path, stage, checkpoint.max_model_len)
         self.timeout_s = parallel.stage_timeout_s
         # A stage may run this many micro-batches ahead of the next one (Note in comm/p2p).
-        self.max_pending_sends = parallel.microbatches_in_flight + 1
+        self.max_pending_sends = parallel.microbatches_in_flight + 1 + int(stage.token_ring)
         self.transport: StageTransport | None = None
+        # The token ring (stage 0 and the last stage; ``parallel.schedule_ahead``): set up
+        # with the process group by ``init_group``.
+        self.ring: TokenRing | None = None
         self._listener: socket.socket | None = None  # stage 0's rendezvous, from address()
         self._free_since = time.monotonic()  # when the stage last became free
         self.last_done = -1  # the last micro-batch id run_compiled finished
@@ -81,6 +86,14 @@ class PipelineStage:
             listener=listener,
         )
         self.attach_transport()
+        if s.token_ring:  # every stage joins the ring's group (a collective call)
+            group = torch.distributed.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s)
+            )
+            if s.is_first or s.is_last:
+                self.ring = TokenRing(
+                    s.stage_idx, s.num_stages, self.timeout_s, group, self.max_pending_sends
+                )
 
     def attach_transport(self) -> None:
         """Talk to the neighbours over the (already initialised) default process group."""
@@ -105,6 +118,11 @@ class PipelineStage:
         """Run one micro-batch; returns the sampled tokens (last stage, else ``None``) and
         this stage's timing of it (a few clock reads: no per-token work).
 
+        Scheduled ahead (``microbatch.ring_sources``): stage 0 first takes the decodes'
+        input tokens from the token ring (``comm/ring.py``; waiting for the last stage if
+        they are not here yet: its ``input_ready`` is when they are). With the ring on,
+        stage 0 posts every micro-batch's receive and the last stage sends its tokens.
+
         A micro-batch that raises here does not stop the pipeline: the stage sends zeros of
         the right shape on (the stages after it stay in step; what they compute for it is
         dropped) and returns ``StepResult(failure=...)``; the executor then retries its
@@ -113,6 +131,10 @@ class PipelineStage:
         s = self.stage
         wait_start = self._free_since
         arrived = time.monotonic()  # stage 0: the micro-batch is here; s > 0: now wait for input
+        if s.is_first and microbatch.ring_sources:
+            assert self.ring is not None, "a micro-batch scheduled ahead needs the token ring"
+            microbatch = fill_ring(microbatch, self.ring.tokens(microbatch.ring_sources))
+            arrived = time.monotonic()  # and its input tokens
         hidden = None
         if not s.is_first:
             hidden = self.transport.recv(
@@ -125,8 +147,13 @@ class PipelineStage:
         out, failure = self._execute(microbatch, hidden)
         compute_end = time.monotonic()
         result = StepResult(failure=failure) if failure is not None else None
+        if self.ring is not None and s.is_first:  # before the hidden states go on
+            self.ring.expect(microbatch.microbatch_id, microbatch.sampled_seq_ids)
         if s.is_last:
             result = result or to_step_result(out)
+            if self.ring is not None:
+                ids = microbatch.sampled_seq_ids
+                self.ring.send(microbatch.microbatch_id, ids, result.sampled)
         else:
             if out is None:  # keep the next stage in step: zeros of the expected shape
                 out = torch.zeros(
@@ -216,4 +243,7 @@ class PipelineStage:
             # Briefly: after a failure the next stage may never receive.
             with contextlib.suppress(Exception):
                 self.transport.flush(timeout_s=min(5.0, self.timeout_s))
+        if self.ring is not None:
+            with contextlib.suppress(Exception):
+                self.ring.flush(timeout_s=min(5.0, self.timeout_s))
         destroy_stage_group()

@@ -37,6 +37,7 @@ class StageSpec:
     device: str  # resolved: cpu / cuda / cuda:N
     memory_bytes: int  # M_G: what the stage may use for parameters + KV cache
     num_threads: int | None = None  # CPU intra-op threads; None: torch's default
+    token_ring: bool = False  # scheduling ahead: stage 0 and the last stage hold the ring
 
     @classmethod
     def of(cls, placement: Placement, stage_idx: int, device: str | None = None) -> StageSpec:
@@ -45,6 +46,7 @@ class StageSpec:
         return cls(
             stage_idx, placement.num_stages, start, end, placement.dtype,
             device or placement.device, placement.memory_bytes, placement.num_threads,
+            placement.schedule_ahead,
         )  # fmt: skip
 
     @property

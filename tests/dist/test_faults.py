@@ -1,5 +1,6 @@
 """Faults at PP=2 over Ray (real actors), through both Ray executors (``ray``: a task per
-stage, gloo; ``ray_compiled``: one Ray Compiled Graph): a request that makes a stage raise
+stage, gloo, with and without scheduling ahead over the token ring; ``ray_compiled``: one
+Ray Compiled Graph): a request that makes a stage raise
 fails alone; a killed stage actor is replaced and the outputs equal an undisturbed run; a
 stage that stalls past the timeout is a clear error that releases every actor; Ctrl-C
 mid-run leaves the engine usable with clean outputs."""
@@ -22,9 +23,12 @@ PROMPTS = [[7 + i, 40, 3 * i + 1, 99, 5] * (2 + i) for i in range(6)]
 BASE = dict(pipeline_parallel_size=2, max_model_len=256, chunk_size=32, dtype="float32")
 
 
-@pytest.fixture(params=["ray", "ray_compiled"])
-def executor(request) -> str:
-    return request.param
+@pytest.fixture(params=["ray", "ray+ahead", "ray_compiled"])
+def executor(request) -> dict:
+    """The executor settings: the task path, the task path scheduling ahead (the token
+    ring; ``auto`` leaves it off on a 2-core machine), the compiled graph."""
+    name, _, ahead = request.param.partition("+")
+    return {"executor": name, "schedule_ahead": bool(ahead)}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +50,7 @@ def test_a_poisoned_request_fails_alone(ray_cluster, llama_dir, reference, execu
     with LLM(
         str(llama_dir),
         **BASE,
-        executor=executor,
+        **executor,
         **{"parallel.inject_fault": "raise@stage=1,seq=2"},
     ) as llm:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -62,7 +66,7 @@ def test_a_killed_stage_is_replaced_and_outputs_equal(
     ray_cluster, llama_dir, reference, tmp_path, executor
 ):
     run = tmp_path / "run"
-    with LLM(str(llama_dir), **BASE, executor=executor, run_dir=str(run)) as llm:
+    with LLM(str(llama_dir), **BASE, **executor, run_dir=str(run)) as llm:
         old = list(llm.engine.executor.actors)
         killed: list[int] = []
 
@@ -82,7 +86,7 @@ def test_a_killed_stage_is_replaced_and_outputs_equal(
 
 
 def test_no_restart_left_is_a_clear_error_then_a_dead_engine(ray_cluster, llama_dir, executor):
-    llm = LLM(str(llama_dir), **BASE, executor=executor, max_stage_restarts=0, stage_timeout_s=30)
+    llm = LLM(str(llama_dir), **BASE, **executor, max_stage_restarts=0, stage_timeout_s=30)
     ray_cluster.kill(llm.engine.executor.actors[1])
     start = time.monotonic()
     with pytest.raises(StageError, match="pipeline stage 1"):
@@ -100,7 +104,7 @@ def test_a_stalled_stage_times_out_keeping_finished_outputs(
     llm = LLM(
         str(llama_dir),
         **BASE,
-        executor=executor,
+        **executor,
         stage_timeout_s=4,
         **{"parallel.inject_fault": fault},
     )
@@ -118,7 +122,7 @@ def test_a_stalled_stage_times_out_keeping_finished_outputs(
 def test_ctrl_c_mid_run_then_clean_outputs(
     ray_cluster, llama_dir, reference, python_ctrl_c, executor
 ):
-    with LLM(str(llama_dir), **BASE, executor=executor) as llm:
+    with LLM(str(llama_dir), **BASE, **executor) as llm:
         timers: list[threading.Timer] = []
 
         def ctrl_c(index, output):  # a real SIGINT 20 ms after the first request finished

@@ -132,7 +132,7 @@ def _packed(value) -> bytes:
     return msgpack.packb([WIRE_VERSION, value], use_bin_type=True)
 
 
-CHUNK = [1, 0, [5, 6], True, [0], None, 1]  # a valid ScheduledChunk's fields
+CHUNK = [1, 0, [5, 6], True, [0], None, 1, -1]  # a valid ScheduledChunk's fields
 
 
 @pytest.mark.parametrize(
@@ -148,13 +148,13 @@ CHUNK = [1, 0, [5, 6], True, [0], None, 1]  # a valid ScheduledChunk's fields
         (_packed(b"raw bytes"), "expected a value, got bytes"),
         (_packed(msgpack.ExtType(1, b"x")), "expected a value, got ExtType"),
         (_packed(["microbatch", 1]), "microbatch: expected the 2 fields of a MicroBatch, got 1"),
-        (_packed(["microbatch", 1, [CHUNK[:3]]]), "microbatch.chunks[0]: expected the 7 fields"),
+        (_packed(["microbatch", 1, [CHUNK[:3]]]), "microbatch.chunks[0]: expected the 8 fields"),
         (
-            _packed(["microbatch", 1, [[1, 0, [5, "6"], True, [0], None, 1]]]),
+            _packed(["microbatch", 1, [[1, 0, [5, "6"], True, [0], None, 1, -1]]]),
             "microbatch.chunks[0].token_ids: expected int items, got str",
         ),
         (
-            _packed(["microbatch", 1, [[1, 0, [5], 1, [0], None, 1]]]),
+            _packed(["microbatch", 1, [[1, 0, [5], 1, [0], None, 1, -1]]]),
             "microbatch.chunks[0].is_prefill: expected bool, got int",
         ),
         (
@@ -170,7 +170,7 @@ CHUNK = [1, 0, [5, 6], True, [0], None, 1]  # a valid ScheduledChunk's fields
                 [
                     "microbatch",
                     1,
-                    [[*CHUNK[:5], [1, 0.5, 1, 0, None, 0, [], [], False, None, False], 0]],
+                    [[*CHUNK[:5], [1, 0.5, 1, 0, None, 0, [], [], False, None, False], 0, -1]],
                 ]
             ),
             "max_tokens must be an integer >= 1",  # SamplingParams' own validation

@@ -1,0 +1,69 @@
+"""Scheduling ahead over Ray (``schedule_ahead=True``: stage 0 takes the decodes' input
+tokens from the last stage over the token ring, ``comm/ring.py``): the same greedy tokens as
+one stage for every policy at PP=2, PP=2 with 3 in flight and PP=3; decodes really went
+ahead; the run dir names each one's ring source and the report splits stage 0's wait for
+it into ``in_flight`` and ``ring``. The fault tests run with it in ``test_faults.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from sarathi_pp import LLM
+from sarathi_pp.events import read_events
+from sarathi_pp.report import write_report
+
+from test_ray_compiled import SCHEDULERS, make_prompts, tokens  # noqa: I001 - a sibling test module
+
+KW = dict(max_model_len=256, dtype="float32")
+
+
+@pytest.mark.parametrize("num_stages, in_flight", [(2, None), (2, 3), (3, None)])
+def test_ahead_pipeline_equals_one_stage_for_every_policy(
+    ray_cluster, llama3_rope_dir, num_stages, in_flight
+):
+    prompts = make_prompts(seed=10 + num_stages)
+    reference = {}
+    with LLM(str(llama3_rope_dir), **KW) as pp1:
+        for policy in SCHEDULERS:
+            pp1.engine.set_scheduler(policy=policy, chunk_size=16, tile_align=False)
+            reference[policy] = tokens(pp1, prompts)
+    assert len({tuple(t) for t in reference["sarathi"]}) > 1
+    with LLM(
+        str(llama3_rope_dir), **KW, pipeline_parallel_size=num_stages, schedule_ahead=True,
+        num_microbatches_in_flight=in_flight,
+    ) as llm:  # fmt: skip
+        m = in_flight or num_stages
+        assert llm.engine.schedule_ahead and llm.engine.max_inflight == m + 1
+        submit, ahead = llm.engine.executor.submit, []
+
+        def counting(mb):
+            ahead.append(bool(mb.ring_sources))
+            submit(mb)
+
+        llm.engine.executor.submit = counting
+        for policy in SCHEDULERS:
+            llm.engine.set_scheduler(policy=policy, chunk_size=16, tile_align=False)
+            ahead.clear()
+            assert tokens(llm, prompts) == reference[policy], policy
+            assert sum(ahead) >= 5, (policy, ahead)
+
+
+def test_ahead_run_dir_names_ring_sources_and_the_report_the_ring(ray_cluster, llama_dir, tmp_path):
+    run = tmp_path / "run"
+    prompts = make_prompts(lens=(40, 60, 80, 100, 120, 30, 50, 70))
+    with LLM(
+        str(llama_dir), **KW, pipeline_parallel_size=2, schedule_ahead=True, chunk_size=32,
+        tile_align=False, run_dir=str(run),
+    ) as llm:  # fmt: skip
+        tokens(llm, prompts)
+        llm.engine.write_run_records()
+    records = read_events(run / "events.jsonl")
+    issues = {r["mb"]: r for r in records if r["type"] == "issue"}
+    ahead = [r for r in issues.values() if "ring" in r]
+    assert len(ahead) >= 5
+    for r in ahead:  # the source was issued 2 (the stages) micro-batches before or earlier
+        assert r["ring"] in issues and r["ring"] <= r["mb"] - 2
+    summary = write_report(run, plot=False)
+    classes = summary["overall"]["bubbles_s"]
+    assert "ring" in classes and classes["ring"] > 0
+    assert classes["dispatch"] < classes["ring"] + classes["in_flight"]  # not all dispatch
