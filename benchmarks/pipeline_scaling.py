@@ -67,6 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scheduler", default="sarathi")
     p.add_argument("--executor", default="ray", choices=["ray", "ray_compiled"],
                    help="the pipelined run's executor")  # fmt: skip
+    p.add_argument(
+        "--schedule-ahead",
+        default="auto",
+        choices=["auto", "true", "false"],
+        help="the pipelined run's parallel.schedule_ahead (the token ring: ray)",
+    )
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--workload", default=None, help=f"workload YAML (default {WORKLOAD})")
     p.add_argument("--num-requests", type=int, default=None, help="default: the workload's")
@@ -74,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quick", action="store_true", help=f"workload {QUICK_WORKLOAD}: checks the script"
     )
     args = p.parse_args(argv)
+    args.schedule_ahead = {"true": True, "false": False}.get(args.schedule_ahead, "auto")
     for name in ("num_stages", "threads_per_stage", "chunk_size"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
@@ -177,6 +184,7 @@ def build_llm(
         num_threads_per_stage=args.threads_per_stage,
         num_microbatches_in_flight=args.microbatches_in_flight,
         executor=args.executor if num_stages > 1 else "uniproc",
+        schedule_ahead=args.schedule_ahead if num_stages > 1 else False,
         block_size=BLOCK_SIZE,
         num_kv_blocks=num_blocks,
         max_model_len=max_model_len,  # the cache must hold one sequence of this length
@@ -372,7 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"workload: {workload.describe()} ({num_prompt_tokens} prompt tokens, "
         f"{num_output_tokens} output tokens), greedy, EOS ignored; "
-        f"{args.scheduler} scheduler, chunk {args.chunk_size}"
+        f"{args.scheduler} scheduler, chunk {args.chunk_size}; PP={args.num_stages}: executor "
+        f"{args.executor}, schedule_ahead {args.schedule_ahead}"
     )
     runs = [run_one(args, n, requests, warm) for n in (1, args.num_stages)]
     print_throughput(runs, num_prompt_tokens, num_output_tokens)

@@ -211,7 +211,10 @@ class ParallelConfig:
                 f"schedule_ahead=true needs an executor with a token ring "
                 f"({', '.join(RING_EXECUTORS)}), not {self.executor_name!r}"
             )
-        if self.schedule_ahead is True and self.microbatches_in_flight < self.pipeline_parallel_size:
+        if (
+            self.schedule_ahead is True
+            and self.microbatches_in_flight < self.pipeline_parallel_size
+        ):
             raise ValueError(
                 f"schedule_ahead=true needs num_microbatches_in_flight >= "
                 f"pipeline_parallel_size ({self.pipeline_parallel_size}), got "
@@ -235,7 +238,6 @@ class ParallelConfig:
     @property
     def microbatches_in_flight(self) -> int:
         return self.num_microbatches_in_flight or self.pipeline_parallel_size
-
 
 
 @dataclass(frozen=True)

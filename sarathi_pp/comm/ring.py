@@ -185,4 +185,6 @@ class TokenRing:
         )
 
     def _global(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+        return (
+            dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+        )

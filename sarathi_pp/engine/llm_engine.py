@@ -124,7 +124,7 @@ class LLMEngine(PipelineFaults):
         p = self.placement
         return self.config.replace(
             max_model_len=self.max_model_len, block_size=p.block_size, dtype=p.dtype,
-            device=p.device,
+            device=p.device, schedule_ahead=p.schedule_ahead,
         )  # fmt: skip
 
     def set_scheduler(self, **overrides: Any) -> None:

@@ -340,6 +340,7 @@ class Scheduler(ABC):
     def _issue(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_scheduled_tokens
         assert len(seq.block_table) * self.block_manager.block_size >= start + n, seq
+        token_ids: tuple[int, ...]
         if seq.seq_id in self._ahead:  # the token micro-batch ``ring_from`` is sampling
             assert n == 1 and start == seq.num_tokens, (seq, n)
             token_ids, ring_from = (RING_TOKEN,), seq.sampling_microbatch

@@ -10,9 +10,10 @@ computed). The driver has the sampled tokens ``return_s`` after the last stage e
 stage reports, so ``events.jsonl`` reads as a real run's.
 
 A micro-batch scheduled ahead (``parallel.schedule_ahead``) starts on stage 0 no earlier
-than its ring sources' tokens get there: as on Ray's task path, the last stage's result
-goes to the driver's core worker (``return_s``) and on to stage 0 (``dispatch_s``),
-without the driver's own ``driver_s``.
+than its ring sources' tokens get there: as on the Ray task path, they go from the last
+stage straight to stage 0 over the token ring, a message of a few bytes: the link's
+latency (the cost model's token return) plus the runtime's own per-send ``send_s``, with
+no driver (``driver_s``, ``dispatch_s``, a measured ``return_s``) on the way.
 
 Sampled tokens are a fixed non-EOS id: outputs end by length (the workloads run with
 ``ignore_eos``), which is all the schedulers look at.
@@ -138,7 +139,7 @@ class SimExecutor:
             ready = end + cost.send_s[s] + o.send_s
         back = cost.return_s if o.return_s is None else o.return_s
         self._inflight.append((mb, events[-1].compute_end + back, events))
-        self._ring_ready[mb.microbatch_id] = events[-1].compute_end + back + o.dispatch_s
+        self._ring_ready[mb.microbatch_id] = events[-1].compute_end + cost.return_s + o.send_s
 
     def next_done(self) -> float | None:
         """When the driver will have the oldest micro-batch's tokens (None: none in flight)."""

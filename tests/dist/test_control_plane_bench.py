@@ -1,6 +1,6 @@
-"""``benchmarks/control_plane.py --quick`` (its short version): both Ray executors run the
-same workload at PP=2 and the table has each one's bubble figures and per-micro-batch
-costs, measured (numbers, not blanks)."""
+"""``benchmarks/control_plane.py --quick`` (its short version): both Ray executors, the task
+path also scheduling ahead (the token ring), run the same workload at PP=2 and the table has
+each one's bubble figures and per-micro-batch costs, measured (numbers, not blanks)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_quick_control_plane_benchmark_measures_both_executors(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()
             if line.startswith("sarathi-")}  # fmt: skip
-    assert set(rows) == {"sarathi-ray", "sarathi-ray_compiled"}, proc.stdout
+    assert set(rows) == {"sarathi-ray", "sarathi-ray+ahead", "sarathi-ray_compiled"}, proc.stdout
     for name, cells in rows.items():
         tokens_per_s, bubble = float(cells[1]), float(cells[2].rstrip("%"))
         dispatch, ret, driver, _, loop = (float(c) for c in cells[5:10])

@@ -11,8 +11,8 @@ from test_placement import SPEC
 from test_runtime_split import _check_parts_add_up, done, idle, issue, run
 
 from sarathi_pp.config import SchedulerConfig, make_config
-from sarathi_pp.placement import Resources, resolve_placement
 from sarathi_pp.microbatch import RING_TOKEN, MicroBatch, ScheduledChunk, fill_ring
+from sarathi_pp.placement import Resources, resolve_placement
 from sarathi_pp.sampling_params import SamplingParams
 from sarathi_pp.scheduler import create_scheduler
 from sarathi_pp.sequence import Sequence, SequenceStatus
