@@ -25,10 +25,10 @@ First, stage 0's wait for ``k`` over ``[submit(k), input_ready(k)]`` is ``dispat
 micro-batch handed to the executor until stage 0 has it), whichever of the two classes it
 had: the driver, having submitted ``k``, may already wait for tokens (``dependency``) while
 ``k`` travels. When ``k`` was scheduled ahead (its ``issue`` names ``ring = j``: its decodes
-take ``j``'s tokens over the token ring), ``input_ready(k)`` is when those tokens reached
-stage 0 and the span is cut at ``x = send_end(j)`` on the last stage: before ``x``
-``in_flight`` (``j`` still in the pipeline), after it ``ring`` (the tokens' way from the
-last stage to stage 0). The rest of ``schedule`` stays ``schedule``: building the micro-batch
+take ``j``'s tokens over the token ring), stage 0 then waits for those tokens from
+``input_ready(k)`` (``k`` is there) to ``compute_start(k)``: that span is cut at
+``x = send_end(j)`` on the last stage, ``in_flight`` before (``j`` still in the pipeline),
+``ring`` after (the tokens' way from the last stage to stage 0). The rest of ``schedule`` stays ``schedule``: building the micro-batch
 (``[t(k), submit(k)]``) and stage 0's own start (``input_ready -> compute_start``).
 
 An older log (no ``wait``) still gets ``token_return`` (from the previous ``done`` on: the
@@ -36,7 +36,8 @@ driver is assumed to wait right after it); the rest of ``dependency`` stays
 ``dependency``. Without ``submit`` there is no ``dispatch``. Either way the parts cut the
 two classes and nothing else: ``load + in_flight + token_return + driver + dispatch +
 schedule + dependency`` equals the unsplit ``dependency + schedule`` (``LEGACY_CLASS``: the
-class each part comes from; ``dispatch`` from either).
+class each part comes from; ``dispatch`` from either, ``in_flight`` from ``schedule`` too
+for a micro-batch scheduled ahead).
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ DEPENDENCY = "dependency"
 SCHEDULE = "schedule"
 LEGACY_CLASS = {
     "load": DEPENDENCY,
-    "in_flight": DEPENDENCY,
+    "in_flight": DEPENDENCY,  # or SCHEDULE: a wait for the ring's tokens (see the module)
     "token_return": DEPENDENCY,
     "driver": DEPENDENCY,
     "dispatch": SCHEDULE,  # or DEPENDENCY: see the module
-    "ring": SCHEDULE,  # or DEPENDENCY, as dispatch
+    "ring": SCHEDULE,  # stage 0 waiting for the ring's tokens, micro-batch in hand
 }
 
 Span = tuple[float, float, str]  # [start, end] spent ``label``
@@ -83,20 +84,24 @@ def dependency_rest(log: RunLog) -> str:
 
 
 def dispatch_spans(log: RunLog) -> dict[int, list[Span]]:
-    """Per micro-batch with a ``submit`` time, ``[submit, input_ready on stage 0]`` as
-    ``dispatch``, or for one scheduled ahead as ``in_flight`` then ``ring`` (see the
-    module); sorted, disjoint, non-empty."""
+    """Per micro-batch: ``[submit, input_ready on stage 0]`` as ``dispatch`` (with a
+    ``submit`` time), and for one scheduled ahead its wait for the ring's tokens
+    ``[input_ready, compute_start]`` as ``in_flight`` then ``ring`` (see the module);
+    sorted, disjoint, non-empty."""
     first, last = log.by_mb(0), log.by_mb(log.num_stages - 1)
-    out = {}
+    out: dict[int, list[Span]] = {}
     for i in log.issues:
         e = first.get(i.mb)
-        if i.submit is None or e is None or e.input_ready <= i.submit:
+        if e is None:
             continue
-        a, b = i.submit, e.input_ready
+        spans: list[Span] = []
+        if i.submit is not None and e.input_ready > i.submit:
+            spans.append((i.submit, e.input_ready, "dispatch"))
         source = last.get(i.ring) if i.ring is not None else None
-        if source is None:
-            out[i.mb] = [(a, b, "dispatch")]
-            continue
-        x = min(max(source.send_end, a), b)
-        out[i.mb] = [s for s in ((a, x, "in_flight"), (x, b, "ring")) if s[1] > s[0]]
+        if source is not None:
+            a, b = e.input_ready, e.compute_start
+            x = min(max(source.send_end, a), b)
+            spans += [s for s in ((a, x, "in_flight"), (x, b, "ring")) if s[1] > s[0]]
+        if spans:
+            out[i.mb] = spans
     return out

@@ -126,10 +126,9 @@ class SimExecutor:
         cost = self.cost_model.costs(microbatch)
         mb, events = microbatch, []
         ready = self.clock.now() + o.dispatch_s
-        for j in mb.ring_sources:
-            ready = max(ready, self._ring_ready[j])
+        ring = max((self._ring_ready[j] for j in mb.ring_sources), default=ready)
         for s in range(self.num_stages):
-            start = max(ready, self._free[s])
+            start = max(ready, self._free[s], ring if s == 0 else ready)
             end = start + cost.compute_s[s]
             events.append(
                 StageEvent(s, mb.microbatch_id, mb.kind, mb.num_prefill_tokens,

@@ -120,8 +120,9 @@ class PipelineStage:
 
         Scheduled ahead (``microbatch.ring_sources``): stage 0 first takes the decodes'
         input tokens from the token ring (``comm/ring.py``; waiting for the last stage if
-        they are not here yet: its ``input_ready`` is when they are). With the ring on,
-        stage 0 posts every micro-batch's receive and the last stage sends its tokens.
+        they are not here yet, between its ``input_ready``, the micro-batch's arrival, and
+        ``compute_start``). With the ring on, stage 0 posts every micro-batch's receive and
+        the last stage sends its tokens.
 
         A micro-batch that raises here does not stop the pipeline: the stage sends zeros of
         the right shape on (the stages after it stay in step; what they compute for it is
@@ -134,7 +135,6 @@ class PipelineStage:
         if s.is_first and microbatch.ring_sources:
             assert self.ring is not None, "a micro-batch scheduled ahead needs the token ring"
             microbatch = fill_ring(microbatch, self.ring.tokens(microbatch.ring_sources))
-            arrived = time.monotonic()  # and its input tokens
         hidden = None
         if not s.is_first:
             hidden = self.transport.recv(

@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 from test_bubbles import header, only, st
 from test_placement import SPEC
-from test_runtime_split import _check_parts_add_up, done, idle, issue, run
+from test_runtime_split import done, idle, issue, run
 
 from sarathi_pp.config import SchedulerConfig, make_config
 from sarathi_pp.microbatch import RING_TOKEN, MicroBatch, ScheduledChunk, fill_ring
 from sarathi_pp.placement import Resources, resolve_placement
+from sarathi_pp.report.runtime_split import LEGACY_CLASS
 from sarathi_pp.sampling_params import SamplingParams
 from sarathi_pp.scheduler import create_scheduler
 from sarathi_pp.sequence import Sequence, SequenceStatus
@@ -178,9 +179,10 @@ def ring_issue(mb: int, t: float, submit: float, ring: int) -> dict:
 
 
 def ahead_log() -> list[dict]:
-    """PP=2, two in flight + one ahead. Micro-batch 2 (issued at 0.2, before 0 is done)
-    takes 0's tokens over the ring: the last stage sent them at 2.3, they reached stage 0
-    at 2.35, which had been free since 2.2. Micro-batch 3 takes 1's: sent 3.3, at 3.4."""
+    """PP=2, two in flight + one ahead. Micro-batch 2 (issued at 0.2, before 0 is done; at
+    stage 0 at 0.35) takes 0's tokens over the ring: the last stage sent them at 2.3, they
+    reached stage 0 at 2.35, which had been free since 2.2. Micro-batch 3 (at stage 0 at
+    2.75) takes 1's: sent 3.3, at 3.4."""
     return [
         header(2),
         issue(0, 0.0, 0.1),
@@ -191,8 +193,8 @@ def ahead_log() -> list[dict]:
         idle(2.7, 6.0),
         st(0, 0, "decode", 0.2, 1.2, ready=0.2),
         st(0, 1, "decode", 1.2, 2.2, ready=0.3),
-        st(0, 2, "decode", 2.35, 3.35, ready=2.35),
-        st(0, 3, "decode", 3.4, 4.4, ready=3.4),
+        st(0, 2, "decode", 2.35, 3.35, ready=0.35),
+        st(0, 3, "decode", 3.4, 4.4, ready=2.75),
         st(1, 0, "decode", 1.3, 2.3),
         st(1, 1, "decode", 2.3, 3.3),
         st(1, 2, "decode", 3.4, 4.4),
@@ -209,7 +211,18 @@ def test_the_ring_wait_is_in_flight_then_ring():
     # stage 0 in the window [1.3, 4.4]: waits [2.2, 2.35] for mb 2 (0 still on the last
     # stage until 2.3, then the ring) and [3.35, 3.4] for mb 3 (1 was sent at 3.3)
     only(a.stages[0].bubbles_s, in_flight=0.1, ring=0.1)
-    _check_parts_add_up(ahead_log())
+    legacy = run(ahead_log(), split=False)  # the parts come out of dependency and schedule
+    for b, old in zip(a.stages, legacy.stages, strict=True):
+        parts = sum(b.bubbles_s[c] for c in LEGACY_CLASS)
+        new = parts + b.bubbles_s["dependency"] + b.bubbles_s["schedule"]
+        assert new == pytest.approx(old.bubbles_s["dependency"] + old.bubbles_s["schedule"])
     records = ahead_log()
-    records[3] = issue(2, 0.2, 0.3)  # without the ring field: all of it dispatch
-    only(run(records).stages[0].bubbles_s, dispatch=0.15, ring=0.05)
+    records[3] = issue(2, 0.2, 0.3)  # without the ring field: stage 0's own start
+    only(run(records).stages[0].bubbles_s, schedule=0.15, ring=0.05)
+    # 3 handed over late (at stage 0 at 3.37, after 1's tokens were sent): dispatch until
+    # then, the ring after
+    records = ahead_log()
+    records[5] = ring_issue(3, 3.3, 3.32, ring=1)
+    records[4], records[6] = idle(0.3, 3.3), idle(3.32, 6.0)
+    records[10] = st(0, 3, "decode", 3.4, 4.4, ready=3.37)
+    only(run(records).stages[0].bubbles_s, in_flight=0.1, ring=0.08, dispatch=0.02)
