@@ -15,7 +15,8 @@ microseconds, from the run's ``events.jsonl``; one clock for every process on on
 - ``L``: the last stage finished j -> micro-batch j+M reached stage 0 (M in flight): the
   whole loop back, what stage 0 idles per micro-batch when the pipeline is full. With
   scheduling ahead (``ray+ahead``) j+M was handed over before j finished and waits at
-  stage 0 for j's tokens over the ring: L is then the ring's latency.
+  stage 0 for j's tokens over the ring: L is then the ring's latency (to the end of that
+  wait).
 
     python benchmarks/control_plane.py                  # bubbles.yaml, ~5 min on 2 cores
     python benchmarks/control_plane.py --quick          # short.yaml, a smoke run
@@ -103,7 +104,11 @@ def loop_costs(log: RunLog, in_flight: int) -> dict[str, float]:
                 for k, i in issues.items() if k in first and i.submit is not None]  # fmt: skip
     ret = [w.end - max(w.start, last[w.mb].send_end) for w in log.waits if w.mb in last]
     ordered = sorted(last)
-    loop = [first[k].input_ready - last[j].send_end
+    # stage 0 can start k: it has k (input_ready) and, scheduled ahead, the ring's tokens
+    # (its wait for them ends at compute_start)
+    can_start = {k: e.compute_start if issues.get(k) and issues[k].ring is not None
+                 else e.input_ready for k, e in first.items()}  # fmt: skip
+    loop = [can_start[k] - last[j].send_end
             for j, k in zip(ordered, ordered[in_flight:]) if k in first]  # fmt: skip
     # the driver's own time: from the tokens of j in hand to the next wait's start, less
     # what it spent blocked (nothing: it does not block between), per micro-batch
