@@ -48,7 +48,9 @@ def test_ahead_pipeline_equals_one_stage_for_every_policy(
             assert sum(ahead) >= 5, (policy, ahead)
 
 
-def test_ahead_run_dir_names_ring_sources_and_the_report_the_ring(ray_cluster, llama_dir, tmp_path):
+def test_ahead_run_dir_names_ring_sources_and_the_report_the_ring(
+    ray_cluster, llama_dir, tmp_path
+):
     run = tmp_path / "run"
     prompts = make_prompts(lens=(40, 60, 80, 100, 120, 30, 50, 70))
     with LLM(
@@ -63,7 +65,9 @@ def test_ahead_run_dir_names_ring_sources_and_the_report_the_ring(ray_cluster, l
     assert len(ahead) >= 5
     for r in ahead:  # the source was issued 2 (the stages) micro-batches before or earlier
         assert r["ring"] in issues and r["ring"] <= r["mb"] - 2
+    stages = {(r["stage"], r["mb"]): r for r in records if r["type"] == "stage"}
+    for r in ahead:  # stage 0 started it only once the last stage had sampled its source
+        assert stages[0, r["mb"]]["compute_start"] >= stages[1, r["ring"]]["compute_end"]
     summary = write_report(run, plot=False)
     classes = summary["overall"]["bubbles_s"]
-    assert "ring" in classes and classes["ring"] > 0
-    assert classes["dispatch"] < classes["ring"] + classes["in_flight"]  # not all dispatch
+    assert classes["ring"] > 0
