@@ -192,3 +192,16 @@ def torchrun_command(model_dir: Path, *args: str) -> list[str]:
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "sarathi_pp.launch.torchrun", "--model", str(model_dir), *args,
     ]  # fmt: skip
+
+
+def record_ahead(engine: Any) -> list[bool]:
+    """From now on, for each micro-batch ``engine`` hands its executor, whether it was
+    scheduled ahead (takes decode inputs over the token ring); the list fills as it runs."""
+    submit, ahead = engine.executor.submit, []
+
+    def recording(microbatch: Any) -> None:
+        ahead.append(bool(microbatch.ring_sources))
+        submit(microbatch)
+
+    engine.executor.submit = recording
+    return ahead

@@ -66,6 +66,37 @@ class _PendingSend:
     tensors: tuple[torch.Tensor, ...]  # alive until the works complete (Note [send completion])
 
 
+def wait_work(work: Any, stage_idx: int, peer: int, action: str, timeout_s: float) -> None:
+    """``work.wait`` with a timeout (Note [timeouts]): ``StageTimeoutError`` when it timed
+    out, ``StageCommError`` when it failed otherwise, naming the stage, what it was waiting
+    ``action`` (e.g. "to receive micro-batch 3 from stage 0") and the ``peer`` to blame.
+    The hidden states' transport and the token ring (``ring.py``) wait through it."""
+    start = time.monotonic()
+    try:
+        ok = work.wait(timeout=timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001 - gloo: RuntimeError, NCCL: DistBackendError
+        elapsed = time.monotonic() - start
+        if isinstance(e, TimeoutError) or "timed out" in str(e).lower() or elapsed >= timeout_s:
+            raise StageTimeoutError(
+                _timeout_message(stage_idx, action, peer, elapsed, timeout_s)
+            ) from e
+        raise StageCommError(f"stage {stage_idx}: failed waiting {action}: {e}") from e
+    if ok is False:  # some backends report a timeout by returning False
+        raise StageTimeoutError(
+            _timeout_message(stage_idx, action, peer, time.monotonic() - start, timeout_s)
+        )
+
+
+def _timeout_message(
+    stage_idx: int, action: str, peer: int, elapsed: float, timeout_s: float
+) -> str:
+    return (
+        f"stage {stage_idx}: timed out after {elapsed:.1f}s (timeout {timeout_s:g}s) "
+        f"waiting {action}; stage {peer} is stuck, has failed, or runs its micro-batches in a "
+        f"different order"
+    )
+
+
 def _dtype_name(code: int) -> str:
     dtype = _CODE_DTYPES.get(code)
     return f"<unknown dtype code {code}>" if dtype is None else str(dtype).removeprefix("torch.")
@@ -253,27 +284,7 @@ class StageTransport:
             action = f"for stage {peer} to receive micro-batch {microbatch_id}{note}"
         else:
             action = f"to receive micro-batch {microbatch_id} from stage {peer}"
-        start = time.monotonic()
-        try:
-            ok = work.wait(timeout=timedelta(seconds=timeout_s))
-        except Exception as e:  # noqa: BLE001 - gloo: RuntimeError, NCCL: DistBackendError
-            elapsed = time.monotonic() - start
-            if isinstance(e, TimeoutError) or "timed out" in str(e).lower() or elapsed >= timeout_s:
-                raise StageTimeoutError(
-                    self._timeout_message(action, peer, elapsed, timeout_s)
-                ) from e
-            raise StageCommError(f"stage {s}: failed waiting {action}: {e}") from e
-        if ok is False:  # some backends report a timeout by returning False
-            raise StageTimeoutError(
-                self._timeout_message(action, peer, time.monotonic() - start, timeout_s)
-            )
-
-    def _timeout_message(self, action: str, peer: int, elapsed: float, timeout_s: float) -> str:
-        return (
-            f"stage {self.stage_idx}: timed out after {elapsed:.1f}s (timeout {timeout_s:g}s) "
-            f"waiting {action}; stage {peer} is stuck, has failed, or runs its micro-batches in a "
-            f"different order"
-        )
+        wait_work(work, s, peer, action, timeout_s)
 
     def _dtype_code(self, dtype: torch.dtype) -> int:
         if dtype not in DTYPE_CODES:

@@ -27,13 +27,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from sarathi_pp.comm.p2p import StageCommError, StageMismatchError, StageTimeoutError
+from sarathi_pp.comm.p2p import StageCommError, StageMismatchError, wait_work
 
 NO_TOKEN = -1  # a sampling chunk the last stage could not sample
 
@@ -60,22 +59,15 @@ class TokenRing:
         self.group = group
         self.max_pending = max(1, max_pending)
         self.last_rank = num_stages - 1
+        self._local = num_stages == 1  # first and last at once: tokens stay in the process
         self._posted: deque[_Posted] = deque()  # stage 0: receives in posting order
         self._got: dict[int, dict[int, int]] = {}  # stage 0: received, by micro-batch
         self._sends: deque[tuple[int, Any, torch.Tensor]] = deque()  # last stage
 
-    @property
-    def is_first(self) -> bool:
-        return self.stage_idx == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage_idx == self.num_stages - 1
-
     # --- stage 0 -------------------------------------------------------------------------------
     def expect(self, microbatch_id: int, seq_ids: list[int]) -> None:
         """Post the receive of ``microbatch_id``'s tokens (its sampling chunks ``seq_ids``)."""
-        if not seq_ids or self.is_last:  # one stage: ``send`` keeps them in the process
+        if not seq_ids or self._local:  # ``send`` keeps them in the process
             return
         buffer = torch.empty(1 + len(seq_ids), dtype=torch.int64)
         try:
@@ -128,7 +120,7 @@ class TokenRing:
         if not seq_ids:
             return
         tokens = [microbatch_id] + [sampled.get(s, NO_TOKEN) for s in seq_ids]
-        if self.is_first:  # one stage: first and last at once
+        if self._local:
             got = self._got.setdefault(microbatch_id, {})
             got.update((s, t) for s, t in zip(seq_ids, tokens[1:], strict=True) if t != NO_TOKEN)
             return
@@ -158,30 +150,10 @@ class TokenRing:
 
     # --- helpers -------------------------------------------------------------------------------
     def _wait(self, work: Any, microbatch_id: int, op: str, timeout_s: float | None = None) -> None:
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         peer = self.last_rank if op == "receive" else 0
-        start = time.monotonic()
-        try:
-            ok = work.wait(timeout=timedelta(seconds=timeout_s))
-        except Exception as e:  # noqa: BLE001 - gloo: RuntimeError
-            elapsed = time.monotonic() - start
-            if isinstance(e, TimeoutError) or "timed out" in str(e).lower() or elapsed >= timeout_s:
-                raise StageTimeoutError(self._timeout(op, microbatch_id, peer, elapsed)) from e
-            raise StageCommError(
-                f"stage {self.stage_idx}: the token ring's {op} of micro-batch {microbatch_id} "
-                f"failed: {e}"
-            ) from e
-        if ok is False:
-            raise StageTimeoutError(
-                self._timeout(op, microbatch_id, peer, time.monotonic() - start)
-            )
-
-    def _timeout(self, op: str, microbatch_id: int, peer: int, elapsed: float) -> str:
-        return (
-            f"stage {self.stage_idx}: timed out after {elapsed:.1f}s (timeout "
-            f"{self.timeout_s:g}s) waiting for the token ring's {op} of micro-batch "
-            f"{microbatch_id}; stage {peer} is stuck, has failed, or runs its micro-batches in "
-            f"a different order"
+        action = f"for the token ring's {op} of micro-batch {microbatch_id}"
+        wait_work(
+            work, self.stage_idx, peer, action, self.timeout_s if timeout_s is None else timeout_s
         )
 
     def _global(self, group_rank: int) -> int:

@@ -226,11 +226,16 @@ class Scheduler(ABC):
         """Running sequences ready for one decode token, least recently scheduled first:
         those whose token is known and, when scheduling ahead, those whose token a
         micro-batch up to ``ring_upto`` is sampling (``_ahead``)."""
-        ready = [s for s in self.running if s.is_decode]
-        if self._ring_upto >= 0:
-            ahead = [s for s in self.running if self._can_decode_ahead(s)]
-            self._ahead = {s.seq_id for s in ahead}
-            ready += ahead
+        if self._ring_upto < 0:
+            ready = [s for s in self.running if s.is_decode]
+        else:  # one pass over the running sequences (a simulator step's hot path)
+            ready = []
+            for s in self.running:
+                if s.is_decode:
+                    ready.append(s)
+                elif self._can_decode_ahead(s):
+                    ready.append(s)
+                    self._ahead.add(s.seq_id)
         return sorted(ready, key=lambda s: (s.last_scheduled_step, s.admit_order))
 
     def _can_decode_ahead(self, seq: Sequence) -> bool:

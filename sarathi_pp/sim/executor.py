@@ -126,9 +126,10 @@ class SimExecutor:
         cost = self.cost_model.costs(microbatch)
         mb, events = microbatch, []
         ready = self.clock.now() + o.dispatch_s
+        # scheduled ahead: stage 0 also waits for its sources' tokens over the ring
         ring = max((self._ring_ready[j] for j in mb.ring_sources), default=ready)
         for s in range(self.num_stages):
-            start = max(ready, self._free[s], ring if s == 0 else ready)
+            start = max(ready, self._free[s], ring) if s == 0 else max(ready, self._free[s])
             end = start + cost.compute_s[s]
             events.append(
                 StageEvent(s, mb.microbatch_id, mb.kind, mb.num_prefill_tokens,

@@ -28,17 +28,22 @@ def tokens(llm: LLM, prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-@pytest.fixture(scope="module")
-def pp1_reference(llama_dir):
-    """Per scheduler, the tokens of one stage (no pipeline) on the same prompts."""
-    prompts = make_prompts()
+def one_stage_tokens(model_dir, prompts) -> dict[str, list[list[int]]]:
+    """Per scheduler, the tokens of one stage (no pipeline) on ``prompts``; varied, so an
+    equality with them means something."""
     out = {}
-    with LLM(str(llama_dir), max_model_len=256, dtype="float32") as pp1:
+    with LLM(str(model_dir), max_model_len=256, dtype="float32") as pp1:
         for policy in SCHEDULERS:
             pp1.engine.set_scheduler(policy=policy, chunk_size=16, tile_align=False)
             out[policy] = tokens(pp1, prompts)
-    assert len({tuple(t) for t in out["sarathi"]}) > 1  # varied: the check means something
-    return prompts, out
+    assert len({tuple(t) for t in out["sarathi"]}) > 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def pp1_reference(llama_dir):
+    prompts = make_prompts()
+    return prompts, one_stage_tokens(llama_dir, prompts)
 
 
 @pytest.mark.parametrize("num_stages, in_flight", [(2, None), (2, 3), (3, None)])
@@ -47,12 +52,7 @@ def test_compiled_pipeline_equals_one_stage_for_every_policy(
 ):
     prompts = make_prompts(seed=num_stages)
     kw = dict(max_model_len=256, dtype="float32")
-    reference = {}
-    with LLM(str(llama3_rope_dir), **kw) as pp1:
-        for policy in SCHEDULERS:
-            pp1.engine.set_scheduler(policy=policy, chunk_size=16, tile_align=False)
-            reference[policy] = tokens(pp1, prompts)
-    assert len({tuple(t) for t in reference["sarathi"]}) > 1
+    reference = one_stage_tokens(llama3_rope_dir, prompts)
     with LLM(
         str(llama3_rope_dir), **kw, pipeline_parallel_size=num_stages, executor="ray_compiled",
         num_microbatches_in_flight=in_flight,

@@ -12,7 +12,8 @@ from sarathi_pp import LLM
 from sarathi_pp.events import read_events
 from sarathi_pp.report import write_report
 
-from test_ray_compiled import SCHEDULERS, make_prompts, tokens  # noqa: I001 - a sibling test module
+from helpers import record_ahead
+from test_ray_compiled import SCHEDULERS, make_prompts, one_stage_tokens, tokens
 
 KW = dict(max_model_len=256, dtype="float32")
 
@@ -22,25 +23,14 @@ def test_ahead_pipeline_equals_one_stage_for_every_policy(
     ray_cluster, llama3_rope_dir, num_stages, in_flight
 ):
     prompts = make_prompts(seed=10 + num_stages)
-    reference = {}
-    with LLM(str(llama3_rope_dir), **KW) as pp1:
-        for policy in SCHEDULERS:
-            pp1.engine.set_scheduler(policy=policy, chunk_size=16, tile_align=False)
-            reference[policy] = tokens(pp1, prompts)
-    assert len({tuple(t) for t in reference["sarathi"]}) > 1
+    reference = one_stage_tokens(llama3_rope_dir, prompts)
     with LLM(
         str(llama3_rope_dir), **KW, pipeline_parallel_size=num_stages, schedule_ahead=True,
         num_microbatches_in_flight=in_flight,
     ) as llm:  # fmt: skip
         m = in_flight or num_stages
         assert llm.engine.schedule_ahead and llm.engine.max_inflight == m + 1
-        submit, ahead = llm.engine.executor.submit, []
-
-        def counting(mb):
-            ahead.append(bool(mb.ring_sources))
-            submit(mb)
-
-        llm.engine.executor.submit = counting
+        ahead = record_ahead(llm.engine)
         for policy in SCHEDULERS:
             llm.engine.set_scheduler(policy=policy, chunk_size=16, tile_align=False)
             ahead.clear()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers import record_ahead
 
 from sarathi_pp import LLM, SamplingParams
 
@@ -51,14 +52,7 @@ def reference(llama_dir):
 def test_ahead_equals_not_ahead_for_every_policy(llama_dir, reference):
     with LLM(str(llama_dir), **KW, schedule_ahead=True) as llm:
         assert llm.engine.schedule_ahead and llm.engine.max_inflight == 2
-        ex = llm.engine.executor
-        submit, ahead = ex.submit, []
-
-        def counting(mb):
-            ahead.append(bool(mb.ring_sources))
-            submit(mb)
-
-        ex.submit = counting
+        ahead = record_ahead(llm.engine)
         for policy in POLICIES:
             llm.engine.set_scheduler(policy=policy, chunk_size=16, tile_align=False)
             for name, params in settings().items():

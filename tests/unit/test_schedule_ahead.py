@@ -78,13 +78,21 @@ def test_no_decode_ahead_of_a_token_that_ends_the_sequence_by_length():
     assert s.schedule(1.0, ring_upto=mb1.microbatch_id) is None  # b's second is its last
 
 
-def test_a_sequence_stopped_by_the_token_before_drops_the_ahead_one_and_frees_after():
+def one_decode_ahead():
+    """A scheduler with one sequence: its prompt in micro-batch 0, its first token's decode
+    scheduled ahead in micro-batch 1."""
     s = scheduler()
     a = seq(0)
     s.add(a)
     mb0 = s.schedule(0.0)
+    assert mb0 is not None
     mb1 = s.schedule(0.0, ring_upto=mb0.microbatch_id)
-    assert mb0 is not None and mb1 is not None
+    assert mb1 is not None and mb1.ring_sources == (mb0.microbatch_id,)
+    return s, a, mb0, mb1
+
+
+def test_a_sequence_stopped_by_the_token_before_drops_the_ahead_one_and_frees_after():
+    s, a, mb0, mb1 = one_decode_ahead()
     free_before = s.block_manager.num_free_blocks
     s.on_step_done(mb0, {0: 2}, 1.0)
     s.finish(a, SequenceStatus.FINISHED_STOPPED, 1.0)  # e.g. the token was EOS
@@ -96,12 +104,7 @@ def test_a_sequence_stopped_by_the_token_before_drops_the_ahead_one_and_frees_af
 
 
 def test_lost_microbatches_forget_the_ahead_decode():
-    s = scheduler()
-    a = seq(0)
-    s.add(a)
-    mb0 = s.schedule(0.0)
-    mb1 = s.schedule(0.0, ring_upto=mb0.microbatch_id)
-    assert mb0 is not None and mb1 is not None
+    s, a, mb0, mb1 = one_decode_ahead()
     requeued = s.on_microbatches_lost([mb0, mb1])
     assert requeued == [a] and a.sampling_microbatch == -1 and a.num_scheduled_tokens == 0
     again = s.schedule(1.0, ring_upto=mb1.microbatch_id)  # recomputed from its prompt
