@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from common import add_threads_flag, copy_gbps, load_average, machine_line, set_threads  # noqa: E402
 
 from sarathi_pp.stages.attention import ATTENTION_BACKENDS, AttentionMetadata  # noqa: E402
-from sarathi_pp.stages.paged_cpu import load_kernel  # noqa: E402
+from sarathi_pp.stages.paged_cpu import kernel_threads, load_kernel  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     print(machine_line(set_threads(args.threads)))
     if load_kernel() is None:
         raise SystemExit("error: the C kernel did not build (see the warning above)")
+    print(f"kernel threads: {kernel_threads()}")
     bs, n = args.block_size, args.decodes
     per_seq = -(-(args.context + 1) // bs)
     num_blocks = 2 * n * per_seq  # half of the cache unused, as a real cache mostly is

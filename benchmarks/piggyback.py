@@ -55,6 +55,7 @@ from common import (  # noqa: E402
 from sarathi_pp import LLM, SamplingParams  # noqa: E402
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk  # noqa: E402
 from sarathi_pp.model_spec import ModelSpec  # noqa: E402
+from sarathi_pp.stages.paged_cpu import kernel_threads  # noqa: E402
 from sarathi_pp.stages.worker import StageWorker  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -261,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     rates = (matmul_gflops(), copy_gbps())
     microbatches = make_microbatches(work, args.decodes)
     times = measure(worker, microbatches, args.warmup, args.repeats)
-    print(f"attention backend: {worker.backend}")
+    threads = f" (kernel threads: {kernel_threads()})" if worker.backend == "cpu_paged" else ""
+    print(f"attention backend: {worker.backend}{threads}")
     print(f"prefill-only: {times['prefill'] / args.chunk_size * 1e3:.3f} ms per prefill token")
     print_table(times, args.decodes)
     print_floors(times, microbatches, engine.spec, worker.stage.dtype, rates)

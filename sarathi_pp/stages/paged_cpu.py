@@ -3,20 +3,37 @@
 Why (see Note [paged decode on CPU]): the portable path copies every decode's whole context
 out of the paged cache into a contiguous buffer and then runs SDPA over it, so a decode step
 reads the context twice and writes it once. This kernel walks each sequence's block table
-and reads every K and V row once, where it lies: for each sequence (one per thread at a time,
-taken from a shared counter, so mixed context lengths balance), scores for all heads, an
-exact softmax over the whole context, then the weighted sum of V.
+and reads every K and V row once, where it lies, in one pass: for each sequence (one per
+thread at a time, taken from a shared counter, so mixed context lengths balance) and each
+block, the scores of every head over the block's keys, an online softmax (a running maximum
+and sum per head, the partial output rescaled when the maximum grows, as flash-decoding
+does), and the block's V weighted into the output; the next block is prefetched meanwhile.
 
 Built on first use with the system C compiler (``cc``; ~0.5 s) into the user's cache
 (``~/.cache/sarathi_pp/kernels``, or ``$SARATHI_PP_KERNEL_DIR``) and loaded with ctypes: no
-torch headers, no build step at install time. float32 only. Where no compiler works, or
-``SARATHI_PP_CPU_KERNEL=0``, ``load_kernel`` returns None and attention keeps the portable
-gather + SDPA path.
+torch headers, no build step at install time. float32 only; with AVX2 + FMA (``-march=native``)
+the scores of 8 keys are computed at once, elsewhere the compiler vectorises plain loops.
+Where no compiler works, or ``SARATHI_PP_CPU_KERNEL=0``, ``load_kernel`` returns None and
+attention keeps the portable gather + SDPA path.
 
 Note [paged decode on CPU]: 32 decodes x 1k context, one layer of the embedded model (16
-heads, 4 KV heads, head_dim 64; 67 MB of K/V), 2 threads: gather + SDPA 46-56 ms, gather in
-groups of 4 sequences (kept in cache) + SDPA ~20 ms, this kernel 12-15 ms (scores 5-9, softmax
-~1.5 with a vectorised exp, weighted V ~4), on a shared 2-core EPYC (load ~2).
+heads, 4 KV heads, head_dim 64; 67 MB of K/V), 2 threads, a shared 2-core EPYC: gather + SDPA
+46-56 ms; gather in groups of 4 sequences (kept in cache) + SDPA ~20 ms; the first kernel
+(two passes: every score, an exact softmax, then V head by head; one horizontal sum per
+(key, head)) 8.5-10.5 ms; scores 8 keys at once 8.4-9.6; V block by block for all heads
+8.8-9.1; the next block's prefetch spread over the heads 8.1-8.2; one pass with the online
+softmax 5.0-6.2 ms. A loop that only reads the same blocks (no arithmetic) takes 3.4-3.9 ms:
+the kernel is within 1.3-1.6x of reading the cache once. Prefetching 2 or 4 blocks ahead
+instead of 1 did not help.
+
+Note [the kernel's threads]: torch's CPU ops run on an OpenMP pool (libgomp on Linux wheels)
+whose threads spin for a while after each op. Threads of our own (pthreads) then compete with
+them for the cores: inside a decode step of 32 x 1k on 2 cores (``benchmarks/piggyback.py``)
+the kernel took 93 ms over 8 layers, against 55 ms with ``OMP_WAIT_POLICY=PASSIVE``. So where
+torch's runtime is libgomp the kernel is built with ``-fopenmp``: its ``libgomp.so.1`` is the
+one torch loaded (same soname), and its parallel region runs on torch's own threads. Where
+that does not hold (another OpenMP runtime, no ``/proc``, a compiler without OpenMP), the
+pthreads build. ``kernel_threads()`` says which.
 """
 
 from __future__ import annotations
@@ -51,9 +68,34 @@ typedef struct {
     const int64_t *tables, *lens;
     int64_t table_stride;
     float *out;
-    int num_seqs, heads, kv_heads, head_dim, block_size, max_len, next;
+    int num_seqs, heads, kv_heads, head_dim, block_size, next;
     float scale;
 } job_t;
+
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* Dot products of q [D] with 8 K rows (k, k + row, ...) at once: eight accumulators, then one
+   transposing reduction instead of a horizontal sum per row. */
+static inline __attribute__((always_inline)) __m256 dot8(const float *q, const float *k,
+                                                         int64_t row, const int D) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int x = 0; x < D; x += 8) {
+        const __m256 qx = _mm256_loadu_ps(q + x);
+        a0 = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + x), a0);
+        a1 = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + row + x), a1);
+        a2 = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + 2 * row + x), a2);
+        a3 = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + 3 * row + x), a3);
+        a4 = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + 4 * row + x), a4);
+        a5 = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + 5 * row + x), a5);
+        a6 = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + 6 * row + x), a6);
+        a7 = _mm256_fmadd_ps(qx, _mm256_loadu_ps(k + 7 * row + x), a7);
+    }
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
 
 /* exp(x) for x <= 0 (a score minus the row's max): Cephes' expf polynomial, ~1 ulp, and
    unlike libm's expf it vectorises. */
@@ -76,59 +118,71 @@ static inline void prefetch(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);  /* 16 floats: a line */
 }
 
-/* One sequence: q [H, D] against its n cached tokens. s: [H, n] scratch. D is a literal at
-   the call sites below, so the inner loops unroll into vector registers. */
+/* One sequence: q [H, D] against its n cached tokens, in one pass over its blocks with an
+   online softmax (each block's K and V read once, while the blocks PF_DIST ahead are
+   prefetched). s: [H, BS] scratch for a block's scores; the output row accumulates. */
+#define PF_DIST 1
 static inline __attribute__((always_inline)) void one_seq(const job_t *j, int b, float *s,
                                                           const int D) {
     const int H = j->heads, G = j->heads / j->kv_heads, BS = j->block_size;
     const int64_t n = j->lens[b], row = (int64_t)j->kv_heads * D;  /* floats per slot */
-    const int64_t *table = j->tables + b * j->table_stride;
+    const int64_t *table = j->tables + b * j->table_stride, pf = BS * row / H;
     const float *q = j->q + (int64_t)b * H * D;
-    for (int64_t t0 = 0; t0 < n; t0 += BS) {  /* scores, block by block */
-        const float *kb = j->k + table[t0 / BS] * BS * row;
-        const int64_t m = n - t0 < BS ? n - t0 : BS;
-        if (t0 + BS < n) prefetch(j->k + table[t0 / BS + 1] * BS * row, BS * row);
+    float *o = j->out + (int64_t)b * H * D, mx[H], sum[H];
+    for (int h = 0; h < H; h++) mx[h] = -INFINITY, sum[h] = 0.f;
+    for (int64_t x = 0; x < (int64_t)H * D; x++) o[x] = 0.f;
+    for (int64_t t0 = 0; t0 < n; t0 += BS) {
+        const int64_t blk = table[t0 / BS] * BS * row, m = n - t0 < BS ? n - t0 : BS;
+        const float *kb = j->k + blk, *vb = j->v + blk;
+        const int64_t nxt = t0 + PF_DIST * BS < n ? table[t0 / BS + PF_DIST] * BS * row : -1;
         for (int h = 0; h < H; h++) {
-            const float *qh = q + h * D, *kh = kb + (h / G) * D;
-            for (int64_t i = 0; i < m; i++) {
+            const float *qh = q + h * D, *kh = kb + (h / G) * D, *vh = vb + (h / G) * D;
+            float *sh = s + h * BS;
+            if (nxt >= 0) prefetch(j->k + nxt + h * pf, pf), prefetch(j->v + nxt + h * pf, pf);
+            int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+            if (D % 8 == 0)
+                for (; i + 8 <= m; i += 8)
+                    _mm256_storeu_ps(sh + i, _mm256_mul_ps(dot8(qh, kh + i * row, row, D),
+                                                           _mm256_set1_ps(j->scale)));
+#endif
+            for (; i < m; i++) {
                 float acc = 0.f;
                 #pragma omp simd reduction(+:acc)
                 for (int x = 0; x < D; x++) acc += qh[x] * kh[i * row + x];
-                s[h * n + t0 + i] = acc * j->scale;
+                sh[i] = acc * j->scale;
             }
-        }
-    }
-    for (int h = 0; h < H; h++) {  /* softmax over the whole context */
-        float *sh = s + h * n, mx = -INFINITY, sum = 0.f;
-        for (int64_t t = 0; t < n; t++) mx = sh[t] > mx ? sh[t] : mx;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t t = 0; t < n; t++) { sh[t] = exp_nonpos(sh[t] - mx); sum += sh[t]; }
-        const float inv = 1.f / sum;
-        #pragma omp simd
-        for (int64_t t = 0; t < n; t++) sh[t] *= inv;
-    }
-    float *o = j->out + (int64_t)b * H * D;
-    for (int h = 0; h < H; h++) {  /* weighted sum of V, head by head (acc in registers) */
-        float a[D];
-        for (int x = 0; x < D; x++) a[x] = 0.f;
-        const float *sh = s + h * n;
-        for (int64_t t0 = 0; t0 < n; t0 += BS) {
-            const float *vh = j->v + table[t0 / BS] * BS * row + (h / G) * D;
-            const int64_t m = n - t0 < BS ? n - t0 : BS;
-            if (h == 0 && t0 + BS < n) prefetch(j->v + table[t0 / BS + 1] * BS * row, BS * row);
-            for (int64_t i = 0; i < m; i++) {
-                const float p = sh[t0 + i];
+            float bm = mx[h];
+            for (i = 0; i < m; i++) bm = sh[i] > bm ? sh[i] : bm;
+            float a[D], part = 0.f;
+            if (bm > mx[h]) {  /* a new maximum: rescale what was summed so far */
+                const float c = exp_nonpos(mx[h] - bm);
+                sum[h] *= c;
+                for (int x = 0; x < D; x++) a[x] = o[h * D + x] * c;
+                mx[h] = bm;
+            } else {
+                for (int x = 0; x < D; x++) a[x] = o[h * D + x];
+            }
+            #pragma omp simd reduction(+:part)
+            for (i = 0; i < m; i++) { sh[i] = exp_nonpos(sh[i] - bm); part += sh[i]; }
+            sum[h] += part;
+            for (i = 0; i < m; i++) {
+                const float p = sh[i];
                 #pragma omp simd
                 for (int x = 0; x < D; x++) a[x] += p * vh[i * row + x];
             }
+            for (int x = 0; x < D; x++) o[h * D + x] = a[x];
         }
-        for (int x = 0; x < D; x++) o[h * D + x] = a[x];
+    }
+    for (int h = 0; h < H; h++) {
+        const float inv = 1.f / sum[h];
+        for (int x = 0; x < D; x++) o[h * D + x] *= inv;
     }
 }
 
 static void *worker(void *arg) {
     job_t *j = (job_t *)arg;
-    float *s = malloc(sizeof(float) * (size_t)j->heads * (size_t)j->max_len);
+    float *s = malloc(sizeof(float) * (size_t)j->heads * (size_t)j->block_size);
     if (s == NULL) return (void *)1;
     for (;;) {
         int b = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
@@ -147,16 +201,22 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int64
                      int heads, int kv_heads, int head_dim, int block_size, float scale,
                      int num_threads) {
     job_t j = {q, k, v, tables, lens, table_stride, out, num_seqs, heads, kv_heads, head_dim,
-               block_size, 1, 0, scale};
+               block_size, 0, scale};
     int64_t work = 0;  /* multiply-adds of the scores: split only work worth a thread */
-    for (int b = 0; b < num_seqs; b++) {
-        if (lens[b] > j.max_len) j.max_len = (int)lens[b];
-        work += lens[b] * heads * head_dim;
-    }
+    for (int b = 0; b < num_seqs; b++) work += lens[b] * heads * head_dim;
     if (num_threads > 1 + work / MIN_WORK_PER_THREAD) num_threads = 1 + work / MIN_WORK_PER_THREAD;
     if (num_threads > num_seqs) num_threads = num_seqs;
     if (num_threads > 64) num_threads = 64;
     if (num_threads < 1) num_threads = 1;
+#ifdef _OPENMP
+    /* Built with -fopenmp only where torch's OpenMP runtime is libgomp, which this library
+       then shares: its threads are torch's, already awake, instead of new threads competing
+       with torch's spinning ones for the cores (see Note [the kernel's threads]). */
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads) if(num_threads > 1) reduction(|:failed)
+    failed |= worker(&j) != NULL;
+    return failed;
+#else
     pthread_t threads[64];
     int started = 1, failed = 0;
     for (; started < num_threads; started++)
@@ -168,10 +228,12 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int64
         failed |= r != NULL;
     }
     return failed;
+#endif
 }
 """
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC"]
+OPENMP_FLAGS = ["-fopenmp"]
 
 
 def _kernel_dir() -> Path:
@@ -179,7 +241,7 @@ def _kernel_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "sarathi_pp" / "kernels"
 
 
-def _compile(path: Path) -> None:
+def _compile(path: Path, flags: list[str]) -> None:
     """Build the library at ``path`` (atomically: stage actors may build it at once)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -188,11 +250,21 @@ def _compile(path: Path) -> None:
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         src, lib = Path(tmp) / "paged_decode.c", Path(tmp) / path.name
         src.write_text(_SOURCE)
-        cmd = [compiler, *_FLAGS, str(src), "-o", str(lib), "-pthread"]
+        cmd = [compiler, *flags, str(src), "-o", str(lib), "-pthread"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise OSError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-500:]}")
         os.replace(lib, path)
+
+
+def _loaded_libgomp() -> list[str]:
+    """The GNU OpenMP runtimes mapped into this process (torch's, once torch is imported,
+    where torch's parallel backend is libgomp: Linux wheels bundle it as libgomp.so.1)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({ln.split()[-1] for ln in f if "/libgomp" in ln})
+    except OSError:  # not Linux
+        return []
 
 
 def _cpu_signature() -> str:
@@ -206,26 +278,57 @@ def _cpu_signature() -> str:
         return platform.machine() + platform.processor()
 
 
+def _build_and_load(flags: list[str]) -> ctypes.CDLL:
+    key = hashlib.sha256((_SOURCE + " ".join(flags) + _cpu_signature()).encode()).hexdigest()
+    path = _kernel_dir() / f"paged_decode-{key[:16]}.so"
+    if not path.exists():
+        _compile(path, flags)
+    return ctypes.CDLL(str(path))
+
+
+_threads = "not loaded"
+
+
 @cache
 def load_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The compiled ``paged_decode_f32``, or None (no compiler, or disabled by
     ``SARATHI_PP_CPU_KERNEL=0``); the reason is logged once."""
+    global _threads
     if os.environ.get("SARATHI_PP_CPU_KERNEL", "1") == "0":
+        _threads = "disabled by SARATHI_PP_CPU_KERNEL=0"
         return None
-    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + _cpu_signature()).encode()).hexdigest()
-    path = _kernel_dir() / f"paged_decode-{key[:16]}.so"
+    lib, _threads = None, "pthreads"
+    runtimes = _loaded_libgomp()
+    if len(runtimes) == 1:  # torch's: link against the same soname, share its thread pool
+        try:
+            lib = _build_and_load(_FLAGS + OPENMP_FLAGS)
+            _threads = "openmp (torch's libgomp threads)"
+            if _loaded_libgomp() != runtimes:  # a second runtime came in, with its own threads
+                log.warning(
+                    "CPU paged attention kernel: its OpenMP build loaded %s beside torch's %s; "
+                    "using its pthreads build", _loaded_libgomp(), runtimes,
+                )  # fmt: skip
+                lib, _threads = None, "pthreads"
+        except (OSError, subprocess.SubprocessError) as e:
+            log.info("CPU paged attention kernel: no OpenMP build (%s); pthreads instead", e)
     try:
-        if not path.exists():
-            _compile(path)
-        fn = ctypes.CDLL(str(path)).paged_decode_f32
+        fn = (lib or _build_and_load(_FLAGS)).paged_decode_f32
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("CPU paged attention kernel unavailable, using gather + SDPA: %s", e)
+        _threads = f"unavailable: {e}"
         return None
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int64, ptr, ptr, i32, i32, i32, i32, i32]
     fn.argtypes += [ctypes.c_float, i32]
     fn.restype = i32
     return fn
+
+
+def kernel_threads() -> str:
+    """How the kernel runs its threads (``openmp (torch's libgomp threads)`` or ``pthreads``),
+    or why it is unavailable: for benchmarks' headers."""
+    load_kernel()
+    return _threads
 
 
 def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -68,8 +68,8 @@ def test_paged_decode_equals_sdpa(block_size, heads, kv_heads, head_dim):
 
 @needs_kernel
 def test_paged_decode_one_thread_and_many_agree():
-    lens = [5, 40, 2, 90]
-    q, k_cache, v_cache, tables = paged_case(lens, 16, 4, 2, 64)
+    lens = [5, 900, 2, 1200, 700]  # 2.9 M multiply-adds: enough to split over threads
+    q, k_cache, v_cache, tables = paged_case(lens, 16, 8, 2, 64)
     run = lambda: paged_cpu.paged_decode(  # noqa: E731
         q, k_cache, v_cache, tables, torch.tensor(lens), 16, 0.125
     )
@@ -82,6 +82,43 @@ def test_paged_decode_one_thread_and_many_agree():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)  # each sequence is computed whole by one thread
+
+
+torch_libgomp = paged_cpu._loaded_libgomp()
+
+
+@needs_kernel
+@pytest.mark.skipif(
+    len(torch_libgomp) != 1, reason=f"torch's OpenMP runtime is not one libgomp: {torch_libgomp}"
+)
+def test_kernel_runs_on_torchs_openmp_threads():
+    """Where torch runs on libgomp the kernel is its OpenMP build, linked to the libgomp
+    torch loaded: no second runtime (whose threads would compete with torch's)."""
+    assert paged_cpu.kernel_threads().startswith("openmp")
+    assert paged_cpu._loaded_libgomp() == torch_libgomp
+
+
+def test_pthreads_build_equals_sdpa(monkeypatch, tmp_path):
+    """The build for processes whose OpenMP runtime is not libgomp: its own threads."""
+    monkeypatch.setenv("SARATHI_PP_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(paged_cpu, "_loaded_libgomp", lambda: [])
+    paged_cpu.load_kernel.cache_clear()
+    try:
+        if paged_cpu.load_kernel() is None:
+            pytest.skip("no C compiler: the CPU paged kernel cannot build")
+        assert paged_cpu.kernel_threads() == "pthreads"
+        lens = [900, 1200, 33, 700]
+        q, k_cache, v_cache, tables = paged_case(lens, 16, 8, 2, 64)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            out = paged_cpu.paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens), 16, 0.125)
+        finally:
+            torch.set_num_threads(threads)
+        ref = reference(q, k_cache, v_cache, tables, lens, 16)
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    finally:
+        paged_cpu.load_kernel.cache_clear()
 
 
 def hybrid_microbatch(block_size: int) -> tuple[MicroBatch, int]:
