@@ -1,10 +1,12 @@
-"""Small-row matmuls on CPU: ``F.linear`` (MKL) vs oneDNN with a prepacked weight
-(``sarathi_pp.stages.linear.Linear``), on the embedded model's weight shapes.
+"""Small-row matmuls on CPU: every kind of ``sarathi_pp.stages.linear.Linear`` that runs here
+(``f_linear``: MKL through F.linear; ``onednn``: a prepacked oneDNN weight; ``panel_gemm``: our
+packed C kernel), on the embedded model's weight shapes.
 
 A decode-only step multiplies a few rows ``[num_decodes, hidden]`` by every weight; a prefill
 chunk many. This prints, per weight and row count, the best of ``--repeats`` interleaved
-runs of each path and their ratio. Run from the repository root:
-``python benchmarks/linear_rows.py [--threads N]``.
+runs of each kind (ms), the best kind, and each kind's time over the best, plus the rows' FLOP
+rate of the best kind. Run from the repository root:
+``python benchmarks/linear_rows.py [--rows 1,8,32] [--threads N]``.
 """
 
 from __future__ import annotations
@@ -17,12 +19,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from common import add_threads_flag, load_average, machine_line, parse_int_list, set_threads  # noqa: E402
 
-from sarathi_pp.stages.linear import Linear  # noqa: E402
+from sarathi_pp.stages.linear import KINDS, Linear, choose_kind, load_gemm  # noqa: E402
 
 SHAPES = {"qkv": (1536, 1024), "o": (1024, 1024), "gate_up": (5632, 1024), "down": (1024, 2816)}
+
+
+def available_kinds() -> list[str]:
+    usable = {
+        "panel_gemm": load_gemm() is not None,
+        "onednn": torch.backends.mkldnn.is_available(),
+        "f_linear": True,
+    }
+    return [kind for kind in KINDS if usable[kind]]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,26 +42,28 @@ def main(argv: list[str] | None = None) -> None:
     add_threads_flag(p)
     args = p.parse_args(argv)
     print(machine_line(set_threads(args.threads)))
-    print(f"{'weight':<8} {'rows':>5} {'F.linear ms':>12} {'oneDNN ms':>10} {'speed-up':>9}")
+    kinds = available_kinds()
+    print(
+        f"kinds that run here: {', '.join(kinds)}; chosen: {choose_kind(torch.randn(1024, 1024))}"
+    )
+    head = " ".join(f"{k + ' ms':>14}" for k in kinds)
+    print(f"{'weight':<8} {'rows':>5} {head}  {'best':>10} {'GFLOP/s':>8}  others / best")
     for name, shape in SHAPES.items():
         w = torch.randn(*shape)
-        packed = Linear(w)
-        if not packed.is_packed:
-            raise SystemExit("oneDNN is unavailable (or SARATHI_PP_ONEDNN_LINEAR=0)")
+        linears = {kind: Linear(w, kind=kind) for kind in kinds}
         for rows in args.rows:
             x = torch.randn(rows, shape[1])
-            best = {"mkl": float("inf"), "dnn": float("inf")}
-            for _ in range(args.repeats + 2):  # interleaved: a slow spell hits both alike
-                t0 = time.perf_counter()
-                F.linear(x, w)
-                t1 = time.perf_counter()
-                packed(x)
-                t2 = time.perf_counter()
-                best["mkl"], best["dnn"] = min(best["mkl"], t1 - t0), min(best["dnn"], t2 - t1)
-            print(
-                f"{name:<8} {rows:>5} {best['mkl'] * 1e3:>12.2f} {best['dnn'] * 1e3:>10.2f} "
-                f"{best['mkl'] / best['dnn']:>8.2f}x"
-            )
+            best = dict.fromkeys(kinds, float("inf"))
+            for _ in range(args.repeats + 2):  # interleaved: a slow spell hits all alike
+                for kind, lin in linears.items():
+                    t0 = time.perf_counter()
+                    lin(x)
+                    best[kind] = min(best[kind], time.perf_counter() - t0)
+            winner = min(best, key=best.__getitem__)
+            times = " ".join(f"{best[k] * 1e3:>14.3f}" for k in kinds)
+            gflops = 2 * rows * shape[0] * shape[1] / best[winner] / 1e9
+            ratios = ", ".join(f"{k} {best[k] / best[winner]:.2f}x" for k in kinds if k != winner)
+            print(f"{name:<8} {rows:>5} {times}  {winner:>10} {gflops:>8.1f}  {ratios}")
     print(f"load avg (1 min) at the end: {load_average()}")
 
 

@@ -1,66 +1,228 @@
-"""``y = x W^T (+ b)`` for the decoder's weights, through oneDNN with the weight prepacked on
-CPU (float32), else ``F.linear``.
+"""``y = x W^T (+ b)`` for the decoder's weights. On CPU float32 the weight is prepacked once at
+load time for one of two kernels, else ``F.linear``:
+
+- ``panel_gemm`` (x86 with AVX2 + FMA, no AVX-512; torch on libgomp): our small C kernel
+  (``cpu_kernels``), the weight packed in panels of 16 output columns (``[N/16, K, 16]``),
+  each panel streamed once per call while 6 rows at a time accumulate in registers (2 x 6
+  AVX2 accumulators, a broadcast of x and two loads of W per k), panels split over torch's
+  OpenMP threads. For fewer than 128 rows K is cut into slices of 256 (16 KB of the panel
+  stays in L1 across the row blocks).
+- ``onednn``: oneDNN with the weight reordered into its blocked layout
+  (``mkldnn._linear_pointwise``); elsewhere, or with ``SARATHI_PP_CPU_GEMM=0``.
+- ``f_linear``: other dtypes and devices, small weights, ``SARATHI_PP_ONEDNN_LINEAR=0``.
+
+Only the packed weight is kept (no second copy).
 
 Why (see Note [small-row matmuls on CPU]): decode-only steps multiply few rows
-(``[num_decodes, hidden]``) by every weight, and ``F.linear``'s MKL path handles few rows
-poorly on this class of CPU; oneDNN with a weight reordered once at load time into its
-blocked layout is 2-8x faster from 4 to 64 rows, 1.2-1.5x faster at 256-512 rows (prefill
-chunks), and on par at 1 row. Only the packed weight is kept (no second copy).
-``SARATHI_PP_ONEDNN_LINEAR=0`` turns it off.
+(``[num_decodes, hidden]``) by every weight. ``F.linear``'s MKL path handles few rows poorly
+on this class of CPU (AMD), oneDNN prepacked is 2-8x faster from 4 to 64 rows; the panel
+kernel is 1.05-1.8x faster than oneDNN again from 1 to 64 rows, and on par or faster at 128
+to 2048 rows (prefill chunks, whole prompts).
 
 Note [small-row matmuls on CPU]: tiny-llama's gate/up weight (5632 x 1024, float32) on a
 2-core AMD EPYC VM, torch 2.13, best of 12: 1 thread, ms for 1 / 8 / 32 / 256 rows: MKL
 2.1 / 8.4 / 12.7 / 58.7, oneDNN prepacked 2.6 / 4.3 / 8.2 / 48.0; 2 threads (busy machine,
 load ~3): MKL 2.0 / 23.2 / 31.9 / 70.8, oneDNN 4.8 / 2.9 / 9.6 / 48.1. The batch-size hint
-of the reorder changed little; none is given. ``benchmarks/linear_rows.py`` reruns it.
+of the reorder changed little; none is given. Panel kernel vs oneDNN, 2 threads, a quieter
+machine (load ~1.5), ms for 1 / 4 / 16 / 32 / 64 / 256 / 1024 rows: gate/up 0.75 / 0.99 /
+2.05 / 2.87 / 5.03 / 21.6 / 82.5 vs 0.90 / 1.40 / 2.58 / 3.92 / 6.06 / 22.9 / 111.5; down
+(1024 x 2816) 0.16 / 0.20 / 0.78 / 1.23 / 2.61 / 10.9 / 37.3 vs 0.27 / 0.31 / 1.17 / 1.75 /
+2.92 / 11.8 / 40.6 (gate/up at 32 rows: 129 GFLOP/s, the machine's matmul rate). Not measured
+on AVX-512 CPUs, where oneDNN's AVX-512 kernels are kept. ``benchmarks/linear_rows.py``
+reruns it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
+from functools import cache
 
 import torch
 import torch.nn.functional as F
+
+from sarathi_pp.stages.cpu_kernels import KernelUnavailable, build
+
+log = logging.getLogger(__name__)
 
 # Smaller weights stay on F.linear: MKL runs them on one thread, oneDNN always opens a
 # parallel region, whose fixed cost dominates tiny matmuls (and on a busy machine a thread may
 # wait a whole time slice for a core: a 2-layer hidden-64 test model stepped 8x slower).
 MIN_PACKED_ELEMENTS = 1 << 18
+PANEL = 16  # output columns per panel of the packed weight
+KINDS = ("panel_gemm", "onednn", "f_linear")
+
+_GEMM_SOURCE = r"""
+#include <stdint.h>
+#if !(defined(__AVX2__) && defined(__FMA__))
+#error "the panel kernel needs AVX2 and FMA"
+#endif
+#include <immintrin.h>
+#define NR 16   /* output columns per panel */
+#define KC 256  /* K slice for few rows: 16 KB of the panel stays in L1 across row blocks */
+
+/* y[MR rows, NR] (+)= x[MR rows, kc] . wp[kc, NR]: 2 x MR accumulators in registers. */
+static inline __attribute__((always_inline)) void micro(const float *x, int64_t ldx,
+                                                        const float *wp, int64_t kc, float *y,
+                                                        int64_t ldy, const int MR, int accumulate) {
+    __m256 acc[6][2];
+    for (int r = 0; r < MR; r++) {
+        acc[r][0] = accumulate ? _mm256_loadu_ps(y + r * ldy) : _mm256_setzero_ps();
+        acc[r][1] = accumulate ? _mm256_loadu_ps(y + r * ldy + 8) : _mm256_setzero_ps();
+    }
+    for (int64_t k = 0; k < kc; k++) {
+        __builtin_prefetch(wp + (k + 32) * NR);  /* a panel row is one line: 2 KB ahead */
+        const __m256 w0 = _mm256_loadu_ps(wp + k * NR), w1 = _mm256_loadu_ps(wp + k * NR + 8);
+        for (int r = 0; r < MR; r++) {
+            const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+            acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        _mm256_storeu_ps(y + r * ldy, acc[r][0]);
+        _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
+    }
+}
+
+/* One panel (NR output columns) for all M rows, K from k0 to k0 + kc. */
+static void panel(const float *x, int64_t M, int64_t K, const float *wp, float *y, int64_t N,
+                  int64_t k0, int64_t kc) {
+    const int acc = k0 > 0;
+    int64_t r = 0;
+    x += k0;
+    wp += k0 * NR;
+    for (; r + 6 <= M; r += 6) micro(x + r * K, K, wp, kc, y + r * N, N, 6, acc);
+    switch (M - r) {
+        case 5: micro(x + r * K, K, wp, kc, y + r * N, N, 5, acc); break;
+        case 4: micro(x + r * K, K, wp, kc, y + r * N, N, 4, acc); break;
+        case 3: micro(x + r * K, K, wp, kc, y + r * N, N, 3, acc); break;
+        case 2: micro(x + r * K, K, wp, kc, y + r * N, N, 2, acc); break;
+        case 1: micro(x + r * K, K, wp, kc, y + r * N, N, 1, acc); break;
+    }
+}
+
+/* y [M, N] = x [M, K] . W^T, W packed as wp [N / NR, K, NR]; N a multiple of NR. */
+void panel_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, float *y,
+                    int num_threads) {
+    const int64_t panels = N / NR, kc = M < 128 ? KC : K;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if(num_threads > 1)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t k0 = 0; k0 < K; k0 += kc)
+            panel(x, M, K, wp + p * K * NR, y + p * NR, N, k0, K - k0 < kc ? K - k0 : kc);
+}
+"""
 
 
-def onednn_usable(weight: torch.Tensor) -> bool:
-    """Prepack ``weight``? CPU, float32, at least ``MIN_PACKED_ELEMENTS``, a torch built
-    with oneDNN, not turned off."""
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {flag for ln in f if ln.startswith("flags") for flag in ln.split(":")[1].split()}
+    except OSError:
+        return set()
+
+
+@cache
+def load_gemm() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The compiled ``panel_gemm_f32``, or None (the reason logged once): a CPU without AVX2 + FMA or with AVX-512 (oneDNN's kernels
+    there), no compiler, or torch not on libgomp (the kernel runs on torch's OpenMP threads)."""
+    flags = _cpu_flags()
+    if not {"avx2", "fma"} <= flags or "avx512f" in flags:
+        log.info(
+            "panel GEMM not used: CPU flags avx2/fma/avx512f = %s",
+            ["avx2" in flags, "fma" in flags, "avx512f" in flags],
+        )
+        return None
+    try:
+        lib, _ = build("panel_gemm", _GEMM_SOURCE, need_openmp=True)
+    except KernelUnavailable as e:
+        log.warning("panel GEMM kernel unavailable, using oneDNN: %s", e)
+        return None
+    fn = lib.panel_gemm_f32
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    fn.restype = None
+    return fn
+
+
+def _packable(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.float32
         and weight.dim() == 2
         and weight.numel() >= MIN_PACKED_ELEMENTS
+    )
+
+
+def onednn_usable(weight: torch.Tensor) -> bool:
+    """Prepack ``weight`` for oneDNN? CPU, float32, at least ``MIN_PACKED_ELEMENTS``, a torch
+    built with oneDNN, not turned off."""
+    return (
+        _packable(weight)
         and torch.backends.mkldnn.is_available()
         and os.environ.get("SARATHI_PP_ONEDNN_LINEAR", "1") != "0"
     )
 
 
-class Linear:
-    """One weight ``[out, in]`` (and optional bias ``[out]``), applied to ``x [rows, in]``."""
+def choose_kind(weight: torch.Tensor) -> str:
+    """``panel_gemm`` where its kernel loads and the weight's rows fill whole panels (unless
+    ``SARATHI_PP_CPU_GEMM=0``), else ``onednn`` where usable, else ``f_linear``."""
+    if (
+        _packable(weight)
+        and weight.shape[0] % PANEL == 0
+        and os.environ.get("SARATHI_PP_CPU_GEMM", "1") != "0"
+        and load_gemm() is not None
+    ):
+        return "panel_gemm"
+    return "onednn" if onednn_usable(weight) else "f_linear"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+
+class Linear:
+    """One weight ``[out, in]`` (and optional bias ``[out]``), applied to ``x [rows, in]``.
+    ``kind`` (one of ``KINDS``) is chosen by ``choose_kind`` unless given."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, kind: str | None = None
+    ) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.nbytes = weight.numel() * weight.element_size()
+        self.kind = kind or choose_kind(weight)
         self.packed: torch.Tensor | None = None
-        self.weight: torch.Tensor | None = weight
-        if onednn_usable(weight):
+        self.weight: torch.Tensor | None = None
+        if self.kind == "panel_gemm":
+            if load_gemm() is None or weight.shape[0] % PANEL or not _packable(weight):
+                raise ValueError(f"panel_gemm cannot apply a {tuple(weight.shape)} weight here")
+            n, k = weight.shape
+            self.packed = weight.reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+        elif self.kind == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-            self.weight = None
+        elif self.kind == "f_linear":
+            self.weight = weight
+        else:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
     @property
     def is_packed(self) -> bool:
         return self.packed is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(
-            x.contiguous(), self.packed, self.bias, "none", [], ""
-        )
+        if self.kind == "panel_gemm":
+            assert self.packed is not None and x.dtype == torch.float32
+            rows = x.reshape(-1, self.in_features).contiguous()
+            y = torch.empty(rows.shape[0], self.out_features)
+            gemm = load_gemm()
+            assert gemm is not None
+            gemm(
+                rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(),
+                self.out_features, y.data_ptr(), torch.get_num_threads(),
+            )  # fmt: skip
+            if self.bias is not None:
+                y.add_(self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
+        if self.kind == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), self.packed, self.bias, "none", [], ""
+            )
+        return F.linear(x, self.weight, self.bias)

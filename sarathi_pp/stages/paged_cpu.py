@@ -9,12 +9,12 @@ block, the scores of every head over the block's keys, an online softmax (a runn
 and sum per head, the partial output rescaled when the maximum grows, as flash-decoding
 does), and the block's V weighted into the output; the next block is prefetched meanwhile.
 
-Built on first use with the system C compiler (``cc``; ~0.5 s) into the user's cache
-(``~/.cache/sarathi_pp/kernels``, or ``$SARATHI_PP_KERNEL_DIR``) and loaded with ctypes: no
-torch headers, no build step at install time. float32 only; with AVX2 + FMA (``-march=native``)
-the scores of 8 keys are computed at once, elsewhere the compiler vectorises plain loops.
-Where no compiler works, or ``SARATHI_PP_CPU_KERNEL=0``, ``load_kernel`` returns None and
-attention keeps the portable gather + SDPA path.
+Built and loaded by ``cpu_kernels.build`` (the system ``cc`` on first use, cached; on
+torch's OpenMP threads where torch runs on libgomp, see Note [the kernels' threads] there,
+else threads of its own). float32 only; with AVX2 + FMA (``-march=native``) the scores of 8
+keys are computed at once, elsewhere the compiler vectorises plain loops. Where nothing
+builds, or ``SARATHI_PP_CPU_KERNEL=0``, ``load_kernel`` returns None and attention keeps the
+portable gather + SDPA path.
 
 Note [paged decode on CPU]: 32 decodes x 1k context, one layer of the embedded model (16
 heads, 4 KV heads, head_dim 64; 67 MB of K/V), 2 threads, a shared 2-core EPYC: gather + SDPA
@@ -25,31 +25,18 @@ heads, 4 KV heads, head_dim 64; 67 MB of K/V), 2 threads, a shared 2-core EPYC: 
 softmax 5.0-6.2 ms. A loop that only reads the same blocks (no arithmetic) takes 3.4-3.9 ms:
 the kernel is within 1.3-1.6x of reading the cache once. Prefetching 2 or 4 blocks ahead
 instead of 1 did not help.
-
-Note [the kernel's threads]: torch's CPU ops run on an OpenMP pool (libgomp on Linux wheels)
-whose threads spin for a while after each op. Threads of our own (pthreads) then compete with
-them for the cores: inside a decode step of 32 x 1k on 2 cores (``benchmarks/piggyback.py``)
-the kernel took 93 ms over 8 layers, against 55 ms with ``OMP_WAIT_POLICY=PASSIVE``. So where
-torch's runtime is libgomp the kernel is built with ``-fopenmp``: its ``libgomp.so.1`` is the
-one torch loaded (same soname), and its parallel region runs on torch's own threads. Where
-that does not hold (another OpenMP runtime, no ``/proc``, a compiler without OpenMP), the
-pthreads build. ``kernel_threads()`` says which.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
-from pathlib import Path
 
 import torch
+
+from sarathi_pp.stages.cpu_kernels import KernelUnavailable, build
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +198,7 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int64
 #ifdef _OPENMP
     /* Built with -fopenmp only where torch's OpenMP runtime is libgomp, which this library
        then shares: its threads are torch's, already awake, instead of new threads competing
-       with torch's spinning ones for the cores (see Note [the kernel's threads]). */
+       with torch's spinning ones for the cores (see Note [the kernels' threads] in cpu_kernels.py). */
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) if(num_threads > 1) reduction(|:failed)
     failed |= worker(&j) != NULL;
@@ -232,60 +219,6 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int64
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC"]
-OPENMP_FLAGS = ["-fopenmp"]
-
-
-def _kernel_dir() -> Path:
-    env = os.environ.get("SARATHI_PP_KERNEL_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "sarathi_pp" / "kernels"
-
-
-def _compile(path: Path, flags: list[str]) -> None:
-    """Build the library at ``path`` (atomically: stage actors may build it at once)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc, gcc) on PATH")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        src, lib = Path(tmp) / "paged_decode.c", Path(tmp) / path.name
-        src.write_text(_SOURCE)
-        cmd = [compiler, *flags, str(src), "-o", str(lib), "-pthread"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise OSError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-500:]}")
-        os.replace(lib, path)
-
-
-def _loaded_libgomp() -> list[str]:
-    """The GNU OpenMP runtimes mapped into this process (torch's, once torch is imported,
-    where torch's parallel backend is libgomp: Linux wheels bundle it as libgomp.so.1)."""
-    try:
-        with open("/proc/self/maps") as f:
-            return sorted({ln.split()[-1] for ln in f if "/libgomp" in ln})
-    except OSError:  # not Linux
-        return []
-
-
-def _cpu_signature() -> str:
-    """What ``-march=native`` compiled for: the library is keyed by it, so a home directory
-    shared by machines with different CPUs never loads another CPU's build."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
-        return platform.machine() + "".join(sorted(set(lines)))
-    except OSError:
-        return platform.machine() + platform.processor()
-
-
-def _build_and_load(flags: list[str]) -> ctypes.CDLL:
-    key = hashlib.sha256((_SOURCE + " ".join(flags) + _cpu_signature()).encode()).hexdigest()
-    path = _kernel_dir() / f"paged_decode-{key[:16]}.so"
-    if not path.exists():
-        _compile(path, flags)
-    return ctypes.CDLL(str(path))
-
-
 _threads = "not loaded"
 
 
@@ -297,26 +230,13 @@ def load_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     if os.environ.get("SARATHI_PP_CPU_KERNEL", "1") == "0":
         _threads = "disabled by SARATHI_PP_CPU_KERNEL=0"
         return None
-    lib, _threads = None, "pthreads"
-    runtimes = _loaded_libgomp()
-    if len(runtimes) == 1:  # torch's: link against the same soname, share its thread pool
-        try:
-            lib = _build_and_load(_FLAGS + OPENMP_FLAGS)
-            _threads = "openmp (torch's libgomp threads)"
-            if _loaded_libgomp() != runtimes:  # a second runtime came in, with its own threads
-                log.warning(
-                    "CPU paged attention kernel: its OpenMP build loaded %s beside torch's %s; "
-                    "using its pthreads build", _loaded_libgomp(), runtimes,
-                )  # fmt: skip
-                lib, _threads = None, "pthreads"
-        except (OSError, subprocess.SubprocessError) as e:
-            log.info("CPU paged attention kernel: no OpenMP build (%s); pthreads instead", e)
     try:
-        fn = (lib or _build_and_load(_FLAGS)).paged_decode_f32
-    except (OSError, subprocess.SubprocessError) as e:
+        lib, _threads = build("paged_decode", _SOURCE)
+    except KernelUnavailable as e:
         log.warning("CPU paged attention kernel unavailable, using gather + SDPA: %s", e)
         _threads = f"unavailable: {e}"
         return None
+    fn = lib.paged_decode_f32
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int64, ptr, ptr, i32, i32, i32, i32, i32]
     fn.argtypes += [ctypes.c_float, i32]
@@ -325,8 +245,8 @@ def load_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 def kernel_threads() -> str:
-    """How the kernel runs its threads (``openmp (torch's libgomp threads)`` or ``pthreads``),
-    or why it is unavailable: for benchmarks' headers."""
+    """How the kernel runs its threads (``cpu_kernels.OPENMP`` or ``pthreads``), or why it is
+    unavailable: for benchmarks' headers."""
     load_kernel()
     return _threads
 

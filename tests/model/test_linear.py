@@ -1,33 +1,78 @@
-"""The decoder's ``Linear``: oneDNN with a prepacked weight on CPU float32 gives F.linear's
-values (to float32 rounding) for 1 to 600 rows, with a bias, on a non-contiguous input; other
-dtypes, small weights and ``SARATHI_PP_ONEDNN_LINEAR=0`` keep F.linear."""
+"""The decoder's ``Linear``: every kind that runs here (``panel_gemm``: our packed C kernel;
+``onednn``: oneDNN with a prepacked weight; ``f_linear``) gives F.linear's values (to float32
+rounding) for 1 to 600 rows (row blocks of 6 and their remainders, the K-sliced path below 128
+rows and the unsliced one above), with a bias, a K that is no multiple of the slice, a
+non-contiguous and a 3-D input; the choice between them follows the weight, the CPU and the
+switches."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from sarathi_pp.stages.linear import Linear
+from sarathi_pp.stages import cpu_kernels, linear
+from sarathi_pp.stages.linear import KINDS, Linear, choose_kind, load_gemm
+
+AVAILABLE = [
+    kind
+    for kind, usable in zip(
+        KINDS, (load_gemm() is not None, torch.backends.mkldnn.is_available(), True)
+    )
+    if usable
+]
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 64, 600])
-def test_packed_linear_equals_f_linear(rows):
+@pytest.mark.parametrize("kind", AVAILABLE)
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 7, 13, 64, 127, 128, 600])
+def test_every_kind_equals_f_linear(kind, rows):
     torch.manual_seed(rows)
-    w, b = torch.randn(1024, 256), torch.randn(1024)  # packed: >= MIN_PACKED_ELEMENTS
-    x = torch.randn(256, rows).t()  # [rows, 256], non-contiguous
-    lin = Linear(w, b)
-    assert lin.is_packed == torch.backends.mkldnn.is_available()
+    w, b = torch.randn(1024, 300), torch.randn(1024)  # K = 300: slices of 256 and a tail of 44
+    x = torch.randn(300, rows).t()  # [rows, 300], non-contiguous
+    lin = Linear(w, b, kind=kind)
+    assert lin.kind == kind and lin.is_packed == (kind != "f_linear")
     torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    x3 = torch.randn(2, rows, 300)
+    torch.testing.assert_close(lin(x3), F.linear(x3, w, b), atol=1e-4, rtol=1e-5)
     assert lin.nbytes == w.numel() * 4
 
 
-def test_other_dtypes_and_the_switch_keep_f_linear(monkeypatch):
-    w = torch.randn(16, 8, dtype=torch.bfloat16)
-    assert not Linear(w).is_packed
-    x = torch.randn(3, 8, dtype=torch.bfloat16)
-    assert torch.equal(Linear(w)(x), F.linear(x, w))
+def test_the_choice_follows_the_weight_and_the_switches(monkeypatch):
+    w = torch.randn(1024, 256)
+    flags = linear._cpu_flags()
+    gemm_here = {"avx2", "fma"} <= flags and "avx512f" not in flags and load_gemm() is not None
+    onednn = "onednn" if torch.backends.mkldnn.is_available() else "f_linear"
+    assert choose_kind(w) == ("panel_gemm" if gemm_here else onednn)
+    assert choose_kind(torch.randn(1000, 300)) == onednn  # 1000 rows: no whole panels of 16
+    assert choose_kind(w.bfloat16()) == "f_linear"
+    assert choose_kind(torch.randn(16, 8)) == "f_linear"  # too small to gain from packing
+    monkeypatch.setenv("SARATHI_PP_CPU_GEMM", "0")
+    assert choose_kind(w) == onednn
     monkeypatch.setenv("SARATHI_PP_ONEDNN_LINEAR", "0")
-    assert not Linear(torch.randn(1024, 256)).is_packed
-    monkeypatch.delenv("SARATHI_PP_ONEDNN_LINEAR")
-    assert not Linear(torch.randn(16, 8)).is_packed  # too small to gain from oneDNN
+    assert choose_kind(w) == "f_linear"
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    wb = torch.randn(16, 8, dtype=torch.bfloat16)
+    assert torch.equal(Linear(wb)(x), F.linear(x, wb))
+
+
+def test_a_kind_that_cannot_apply_is_refused():
+    with pytest.raises(ValueError, match="panel_gemm cannot apply a \\(1000, 300\\) weight"):
+        Linear(torch.randn(1000, 300), kind="panel_gemm")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        Linear(torch.randn(16, 8), kind="mkl")
+
+
+def test_the_gemm_kernel_builds_wherever_it_should():
+    """A CPU with AVX2 + FMA and no AVX-512, a C compiler, torch on one libgomp (this
+    project's machines): the kernel builds and loads, so the choice is never oneDNN by a
+    silent build failure. Elsewhere there is nothing to check."""
+    flags = linear._cpu_flags()
+    wanted = (
+        {"avx2", "fma"} <= flags
+        and "avx512f" not in flags
+        and (shutil.which("cc") or shutil.which("gcc"))
+        and len(cpu_kernels.loaded_libgomp()) == 1
+    )
+    assert load_gemm() is not None or not wanted

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
-from sarathi_pp.stages import paged_cpu
+from sarathi_pp.stages import cpu_kernels, paged_cpu
 from sarathi_pp.stages.attention import ATTENTION_BACKENDS, select_backend
 from sarathi_pp.stages.flex_paged import flex_paged_decode
 from sarathi_pp.stages.metadata import build_metadata
@@ -84,7 +84,7 @@ def test_paged_decode_one_thread_and_many_agree():
     assert torch.equal(one, many)  # each sequence is computed whole by one thread
 
 
-torch_libgomp = paged_cpu._loaded_libgomp()
+torch_libgomp = cpu_kernels.loaded_libgomp()
 
 
 @needs_kernel
@@ -95,13 +95,13 @@ def test_kernel_runs_on_torchs_openmp_threads():
     """Where torch runs on libgomp the kernel is its OpenMP build, linked to the libgomp
     torch loaded: no second runtime (whose threads would compete with torch's)."""
     assert paged_cpu.kernel_threads().startswith("openmp")
-    assert paged_cpu._loaded_libgomp() == torch_libgomp
+    assert cpu_kernels.loaded_libgomp() == torch_libgomp
 
 
 def test_pthreads_build_equals_sdpa(monkeypatch, tmp_path):
     """The build for processes whose OpenMP runtime is not libgomp: its own threads."""
     monkeypatch.setenv("SARATHI_PP_KERNEL_DIR", str(tmp_path))
-    monkeypatch.setattr(paged_cpu, "_loaded_libgomp", lambda: [])
+    monkeypatch.setattr(cpu_kernels, "loaded_libgomp", lambda: [])
     paged_cpu.load_kernel.cache_clear()
     try:
         if paged_cpu.load_kernel() is None:

@@ -1,0 +1,118 @@
+"""Build and load the stages' small C kernels for CPU (``paged_cpu``: decode attention over the
+paged cache; ``linear``: matmuls with a prepacked weight).
+
+Each kernel is one C source, compiled on first use with the system C compiler (``cc``;
+~0.5 s, ``-O3 -march=native``) into the user's cache (``~/.cache/sarathi_pp/kernels``, or
+``$SARATHI_PP_KERNEL_DIR``; keyed by source, flags and CPU) and loaded with ctypes: no torch
+headers, no build step at install time.
+
+Note [the kernels' threads]: torch's CPU ops run on an OpenMP pool (libgomp in Linux wheels)
+whose threads spin for a while after each op. Threads of our own (pthreads) then compete with
+them for the cores: inside a decode step of 32 x 1k on 2 cores (``benchmarks/piggyback.py``)
+the attention kernel took 93 ms over 8 layers with its own pthreads, against 55 ms with
+``OMP_WAIT_POLICY=PASSIVE``. So where torch's runtime is libgomp a kernel is built with
+``-fopenmp``: its ``libgomp.so.1`` is the one torch loaded (the same soname), and its parallel
+regions run on torch's own threads (46 ms). Where that does not hold (another OpenMP runtime,
+no ``/proc``, a compiler without OpenMP) a kernel has a build without OpenMP or is not used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC"]
+OPENMP_FLAGS = ["-fopenmp"]
+OPENMP = "openmp (torch's libgomp threads)"
+
+
+class KernelUnavailable(OSError):
+    """A kernel could not be built or loaded; the message says why."""
+
+
+def kernel_dir() -> Path:
+    env = os.environ.get("SARATHI_PP_KERNEL_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "sarathi_pp" / "kernels"
+
+
+def cpu_signature() -> str:
+    """What ``-march=native`` compiled for: a library is keyed by it, so a home directory
+    shared by machines with different CPUs never loads another CPU's build."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return platform.machine() + "".join(sorted(set(lines)))
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+def loaded_libgomp() -> list[str]:
+    """The GNU OpenMP runtimes mapped into this process (torch's, once torch is imported,
+    where torch's parallel backend is libgomp: Linux wheels bundle it as libgomp.so.1)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({ln.split()[-1] for ln in f if "/libgomp" in ln})
+    except OSError:  # not Linux
+        return []
+
+
+def _compile(path: Path, source: str, flags: list[str]) -> None:
+    """Build the library at ``path`` (atomically: stage actors may build it at once)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise KernelUnavailable("no C compiler (cc, gcc) on PATH")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        src, lib = Path(tmp) / f"{path.stem}.c", Path(tmp) / path.name
+        src.write_text(source)
+        cmd = [compiler, *flags, str(src), "-o", str(lib), "-pthread"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise KernelUnavailable(f"{' '.join(cmd)} failed: {e}") from e
+        if proc.returncode != 0:
+            raise KernelUnavailable(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(lib, path)
+
+
+def _build_and_load(name: str, source: str, flags: list[str]) -> ctypes.CDLL:
+    key = hashlib.sha256((source + " ".join(flags) + cpu_signature()).encode()).hexdigest()
+    path = kernel_dir() / f"{name}-{key[:16]}.so"
+    if not path.exists():
+        _compile(path, source, flags)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelUnavailable(f"loading {path}: {e}") from e
+
+
+def build(name: str, source: str, *, need_openmp: bool = False) -> tuple[ctypes.CDLL, str]:
+    """``source`` compiled and loaded, and how it runs its threads: ``OPENMP`` (built with
+    ``-fopenmp`` on torch's libgomp, see Note [the kernels' threads]) or ``"pthreads"`` (built
+    without OpenMP: the source's ``#ifndef _OPENMP`` path). With ``need_openmp`` there is no
+    build without OpenMP: ``KernelUnavailable`` instead. Raises ``KernelUnavailable`` with the
+    reason when nothing builds."""
+    runtimes = loaded_libgomp()
+    why = f"torch's OpenMP runtime is not one libgomp ({runtimes or 'none mapped'})"
+    if len(runtimes) == 1:
+        try:
+            lib = _build_and_load(name, source, FLAGS + OPENMP_FLAGS)
+            if loaded_libgomp() == runtimes:
+                return lib, OPENMP
+            why = f"its OpenMP build loaded {loaded_libgomp()} beside torch's {runtimes}"
+            log.warning("%s kernel: %s", name, why)
+        except KernelUnavailable as e:
+            why = str(e)
+    if need_openmp:
+        raise KernelUnavailable(f"needs torch's OpenMP threads: {why}")
+    log.info("%s kernel without OpenMP (%s): its own threads", name, why)
+    return _build_and_load(name, source, FLAGS), "pthreads"

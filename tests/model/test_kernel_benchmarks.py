@@ -1,0 +1,48 @@
+"""The CPU kernels' benchmarks run end to end on small sizes and print every kind they
+compare, so they cannot rot: ``benchmarks/linear_rows.py`` (each ``Linear`` kind per weight
+and row count) and ``benchmarks/paged_attention.py`` (gather + SDPA vs the in-place kernel)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sarathi_pp.stages.linear import choose_kind
+from sarathi_pp.stages.paged_cpu import load_kernel
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(script: str, *args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_linear_rows_prints_every_kind():
+    out = run("linear_rows.py", "--rows", "1,7", "--repeats", "1", "--threads", "1")
+    rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["gate_up"], ["down"])]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("gate_up", "1"),
+        ("gate_up", "7"),
+        ("down", "1"),
+        ("down", "7"),
+    ]
+    assert f"chosen: {choose_kind(torch.randn(1024, 1024))}" in out
+    assert "f_linear ms" in out and all(float(r[2]) > 0 for r in rows)
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="no C compiler: the kernel cannot build")
+def test_paged_attention_benchmark_compares_both_paths():
+    out = run("paged_attention.py", "--decodes", "2", "--context", "40", "--repeats", "1")
+    assert "kernel threads:" in out and "torch " in out and "cpu_paged " in out
+    assert "in place / gather + SDPA:" in out
