@@ -76,3 +76,18 @@ def test_the_gemm_kernel_builds_wherever_it_should():
         and len(cpu_kernels.loaded_libgomp()) == 1
     )
     assert load_gemm() is not None or not wanted
+
+
+@pytest.mark.parametrize("kind", AVAILABLE)
+def test_a_float64_default_dtype_changes_nothing(kind):
+    w = torch.randn(1024, 256)
+    x = torch.randn(5, 256)
+    lin = Linear(w, kind=kind)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        y = lin(x)
+    finally:
+        torch.set_default_dtype(default)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, F.linear(x, w), atol=1e-4, rtol=1e-5)
