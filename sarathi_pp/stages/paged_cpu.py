@@ -8,6 +8,9 @@ thread at a time, taken from a shared counter, so mixed context lengths balance)
 block, the scores of every head over the block's keys, an online softmax (a running maximum
 and sum per head, the partial output rescaled when the maximum grows, as flash-decoding
 does), and the block's V weighted into the output; the next block is prefetched meanwhile.
+With fewer sequences than threads, each sequence's blocks are cut into ranges, one per work
+item, whose partial outputs are merged by their maxima and sums (flash-decoding's split):
+one decode at 8 k context, one layer, 2 threads: 2.6-3.3 ms -> 1.95-2.0 ms.
 
 Built and loaded by ``cpu_kernels.build`` (the system ``cc`` on first use, cached; on
 torch's OpenMP threads where torch runs on libgomp, see Note [the kernels' threads] there,
@@ -57,6 +60,11 @@ typedef struct {
     float *out;
     int num_seqs, heads, kv_heads, head_dim, block_size, next;
     float scale;
+    /* parts > 1 (fewer sequences than threads): each sequence's blocks in `parts` ranges, one
+       work item each, written unnormalised to part_o [item, H, D] with their running maximum
+       and sum in part_ms [item, H, 2], and merged after (flash-decoding's split). */
+    int parts;
+    float *part_o, *part_ms;
 } job_t;
 
 
@@ -109,19 +117,23 @@ static inline void prefetch(const float *p, int64_t n) {
    online softmax (each block's K and V read once, while the blocks PF_DIST ahead are
    prefetched). s: [H, BS] scratch for a block's scores; the output row accumulates. */
 #define PF_DIST 1
-static inline __attribute__((always_inline)) void one_seq(const job_t *j, int b, float *s,
+static inline __attribute__((always_inline)) void one_seq(const job_t *j, int item, float *s,
                                                           const int D) {
     const int H = j->heads, G = j->heads / j->kv_heads, BS = j->block_size;
+    const int b = item / j->parts, part = item % j->parts;
     const int64_t n = j->lens[b], row = (int64_t)j->kv_heads * D;  /* floats per slot */
     const int64_t *table = j->tables + b * j->table_stride, pf = BS * row / H;
+    const int64_t blocks = (n + BS - 1) / BS, t_begin = part * blocks / j->parts * BS;
+    const int64_t t_end = (part + 1) * blocks / j->parts * BS < n ? (part + 1) * blocks / j->parts * BS : n;
     const float *q = j->q + (int64_t)b * H * D;
-    float *o = j->out + (int64_t)b * H * D, mx[H], sum[H];
+    float *o = j->parts > 1 ? j->part_o + (int64_t)item * H * D : j->out + (int64_t)b * H * D;
+    float mx[H], sum[H];
     for (int h = 0; h < H; h++) mx[h] = -INFINITY, sum[h] = 0.f;
     for (int64_t x = 0; x < (int64_t)H * D; x++) o[x] = 0.f;
-    for (int64_t t0 = 0; t0 < n; t0 += BS) {
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += BS) {
         const int64_t blk = table[t0 / BS] * BS * row, m = n - t0 < BS ? n - t0 : BS;
         const float *kb = j->k + blk, *vb = j->v + blk;
-        const int64_t nxt = t0 + PF_DIST * BS < n ? table[t0 / BS + PF_DIST] * BS * row : -1;
+        const int64_t nxt = t0 + PF_DIST * BS < t_end ? table[t0 / BS + PF_DIST] * BS * row : -1;
         for (int h = 0; h < H; h++) {
             const float *qh = q + h * D, *kh = kb + (h / G) * D, *vh = vb + (h / G) * D;
             float *sh = s + h * BS;
@@ -161,10 +173,38 @@ static inline __attribute__((always_inline)) void one_seq(const job_t *j, int b,
             for (int x = 0; x < D; x++) o[h * D + x] = a[x];
         }
     }
+    if (j->parts > 1) {  /* merged by merge_parts */
+        for (int h = 0; h < H; h++)
+            j->part_ms[((int64_t)item * H + h) * 2] = mx[h], j->part_ms[((int64_t)item * H + h) * 2 + 1] = sum[h];
+        return;
+    }
     for (int h = 0; h < H; h++) {
         const float inv = 1.f / sum[h];
         for (int x = 0; x < D; x++) o[h * D + x] *= inv;
     }
+}
+
+/* out[b] from its parts: each part's output and sum scaled by exp(its max - the max). */
+static void merge_parts(const job_t *j) {
+    const int H = j->heads, D = j->head_dim, P = j->parts;
+    for (int b = 0; b < j->num_seqs; b++)
+        for (int h = 0; h < H; h++) {
+            float m = -INFINITY, total = 0.f;
+            for (int p = 0; p < P; p++) {
+                const float mp = j->part_ms[(((int64_t)b * P + p) * H + h) * 2];
+                m = mp > m ? mp : m;
+            }
+            float *o = j->out + ((int64_t)b * H + h) * D;
+            for (int x = 0; x < D; x++) o[x] = 0.f;
+            for (int p = 0; p < P; p++) {
+                const int64_t at = ((int64_t)b * P + p) * H + h;
+                const float c = exp_nonpos(j->part_ms[at * 2] - m);
+                total += j->part_ms[at * 2 + 1] * c;
+                for (int x = 0; x < D; x++) o[x] += j->part_o[at * D + x] * c;
+            }
+            const float inv = 1.f / total;
+            for (int x = 0; x < D; x++) o[x] *= inv;
+        }
 }
 
 static void *worker(void *arg) {
@@ -173,7 +213,7 @@ static void *worker(void *arg) {
     if (s == NULL) return (void *)1;
     for (;;) {
         int b = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-        if (b >= j->num_seqs) break;
+        if (b >= j->num_seqs * j->parts) break;
         if (j->head_dim == 64) one_seq(j, b, s, 64);
         else if (j->head_dim == 128) one_seq(j, b, s, 128);
         else one_seq(j, b, s, j->head_dim);
@@ -182,33 +222,49 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+static int run_threads(job_t *j, int num_threads);
+
 /* Returns 0, or 1 when scratch memory could not be allocated. */
 int paged_decode_f32(const float *q, const float *k, const float *v, const int64_t *tables,
                      int64_t table_stride, const int64_t *lens, float *out, int num_seqs,
                      int heads, int kv_heads, int head_dim, int block_size, float scale,
                      int num_threads) {
     job_t j = {q, k, v, tables, lens, table_stride, out, num_seqs, heads, kv_heads, head_dim,
-               block_size, 0, scale};
+               block_size, 0, scale, 1, NULL, NULL};
     int64_t work = 0;  /* multiply-adds of the scores: split only work worth a thread */
     for (int b = 0; b < num_seqs; b++) work += lens[b] * heads * head_dim;
     if (num_threads > 1 + work / MIN_WORK_PER_THREAD) num_threads = 1 + work / MIN_WORK_PER_THREAD;
-    if (num_threads > num_seqs) num_threads = num_seqs;
     if (num_threads > 64) num_threads = 64;
     if (num_threads < 1) num_threads = 1;
+    if (num_threads <= num_seqs) return run_threads(&j, num_threads);
+    /* Fewer sequences than threads: split each sequence's blocks over the threads. */
+    j.parts = (num_threads + num_seqs - 1) / num_seqs;
+    const size_t items = (size_t)num_seqs * (size_t)j.parts;
+    j.part_o = malloc(sizeof(float) * items * (size_t)heads * (size_t)head_dim);
+    j.part_ms = malloc(sizeof(float) * items * (size_t)heads * 2);
+    int failed = j.part_o == NULL || j.part_ms == NULL;
+    if (!failed) failed = run_threads(&j, num_threads);
+    if (!failed) merge_parts(&j);
+    free(j.part_o);
+    free(j.part_ms);
+    return failed;
+}
+
+static int run_threads(job_t *j, int num_threads) {
 #ifdef _OPENMP
     /* Built with -fopenmp only where torch's OpenMP runtime is libgomp, which this library
        then shares: its threads are torch's, already awake, instead of new threads competing
        with torch's spinning ones for the cores (see Note [the kernels' threads] in cpu_kernels.py). */
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) if(num_threads > 1) reduction(|:failed)
-    failed |= worker(&j) != NULL;
+    failed |= worker(j) != NULL;
     return failed;
 #else
     pthread_t threads[64];
     int started = 1, failed = 0;
     for (; started < num_threads; started++)
-        if (pthread_create(&threads[started], NULL, worker, &j) != 0) break;
-    failed |= worker(&j) != NULL;
+        if (pthread_create(&threads[started], NULL, worker, j) != 0) break;
+    failed |= worker(j) != NULL;
     for (int i = 1; i < started; i++) {
         void *r;
         pthread_join(threads[i], &r);

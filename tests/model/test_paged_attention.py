@@ -84,6 +84,28 @@ def test_paged_decode_one_thread_and_many_agree():
     assert torch.equal(one, many)  # each sequence is computed whole by one thread
 
 
+@needs_kernel
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+@pytest.mark.parametrize(
+    "lens", [[5000], [2500, 2], [4000, 40, 5]]
+)  # >= 1 M multiply-adds a thread
+def test_fewer_sequences_than_threads_split_their_blocks(block_size, lens):
+    """With fewer sequences than threads each sequence's blocks are split over the threads
+    (partial results merged by their maxima and sums): still SDPA's values, parts that hold
+    no block included (a 2-token sequence split in 2)."""
+    q, k_cache, v_cache, tables = paged_case(lens, block_size, 16, 4, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        out = paged_cpu.paged_decode(
+            q, k_cache, v_cache, tables, torch.tensor(lens), block_size, 0.125
+        )
+    finally:
+        torch.set_num_threads(threads)
+    ref = reference(q, k_cache, v_cache, tables, lens, block_size)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
 torch_libgomp = cpu_kernels.loaded_libgomp()
 
 
