@@ -21,18 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 import torch  # noqa: E402
 from common import add_threads_flag, load_average, machine_line, parse_int_list, set_threads  # noqa: E402
 
-from sarathi_pp.stages.linear import KINDS, Linear, choose_kind, load_gemm  # noqa: E402
+from sarathi_pp.stages.linear import Linear, available_kinds, choose_kind  # noqa: E402
 
 SHAPES = {"qkv": (1536, 1024), "o": (1024, 1024), "gate_up": (5632, 1024), "down": (1024, 2816)}
-
-
-def available_kinds() -> list[str]:
-    usable = {
-        "panel_gemm": load_gemm() is not None,
-        "onednn": torch.backends.mkldnn.is_available(),
-        "f_linear": True,
-    }
-    return [kind for kind in KINDS if usable[kind]]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -55,6 +55,16 @@ def cpu_signature() -> str:
         return platform.machine() + platform.processor()
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``avx2``, ``fma``, ``avx512f``, ...; empty where
+    ``/proc/cpuinfo`` is missing)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {flag for ln in f if ln.startswith("flags") for flag in ln.split(":")[1].split()}
+    except OSError:
+        return set()
+
+
 def loaded_libgomp() -> list[str]:
     """The GNU OpenMP runtimes mapped into this process (torch's, once torch is imported,
     where torch's parallel backend is libgomp: Linux wheels bundle it as libgomp.so.1)."""

@@ -48,7 +48,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from sarathi_pp.stages.cpu_kernels import KernelUnavailable, build
+from sarathi_pp.stages.cpu_kernels import KernelUnavailable, build, cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -121,20 +121,12 @@ void panel_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64
 """
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return {flag for ln in f if ln.startswith("flags") for flag in ln.split(":")[1].split()}
-    except OSError:
-        return set()
-
-
 @cache
 def load_gemm() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The compiled ``panel_gemm_f32``, or None (the reason logged once): a CPU without
     AVX2 + FMA or with AVX-512 (oneDNN's kernels there), no compiler, or torch not on
     libgomp (the kernel runs on torch's OpenMP threads)."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if not {"avx2", "fma"} <= flags or "avx512f" in flags:
         log.info(
             "panel GEMM not used: CPU flags avx2/fma/avx512f = %s",
@@ -172,15 +164,26 @@ def onednn_usable(weight: torch.Tensor) -> bool:
     )
 
 
+def available_kinds() -> list[str]:
+    """The kinds that can run here (for some weight), in ``KINDS``' order."""
+    usable = {
+        "panel_gemm": load_gemm() is not None,
+        "onednn": torch.backends.mkldnn.is_available(),
+        "f_linear": True,
+    }
+    return [kind for kind in KINDS if usable[kind]]
+
+
+def panel_gemm_applies(weight: torch.Tensor) -> bool:
+    """Can ``panel_gemm`` apply ``weight``? Packable, its rows fill whole panels, and the
+    kernel loads here."""
+    return _packable(weight) and weight.shape[0] % PANEL == 0 and load_gemm() is not None
+
+
 def choose_kind(weight: torch.Tensor) -> str:
-    """``panel_gemm`` where its kernel loads and the weight's rows fill whole panels (unless
-    ``SARATHI_PP_CPU_GEMM=0``), else ``onednn`` where usable, else ``f_linear``."""
-    if (
-        _packable(weight)
-        and weight.shape[0] % PANEL == 0
-        and os.environ.get("SARATHI_PP_CPU_GEMM", "1") != "0"
-        and load_gemm() is not None
-    ):
+    """``panel_gemm`` where it applies (unless ``SARATHI_PP_CPU_GEMM=0``), else ``onednn``
+    where usable, else ``f_linear``."""
+    if os.environ.get("SARATHI_PP_CPU_GEMM", "1") != "0" and panel_gemm_applies(weight):
         return "panel_gemm"
     return "onednn" if onednn_usable(weight) else "f_linear"
 
@@ -198,9 +201,11 @@ class Linear:
         self.kind = kind or choose_kind(weight)
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = None
+        self._gemm: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
         if self.kind == "panel_gemm":
-            if load_gemm() is None or weight.shape[0] % PANEL or not _packable(weight):
+            if not panel_gemm_applies(weight):
                 raise ValueError(f"panel_gemm cannot apply a {tuple(weight.shape)} weight here")
+            self._gemm = load_gemm()
             n, k = weight.shape
             self.packed = weight.reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
         elif self.kind == "onednn":
@@ -216,12 +221,11 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         if self.kind == "panel_gemm":
-            assert self.packed is not None and x.dtype == torch.float32
+            assert self._gemm is not None and self.packed is not None
+            assert x.dtype == torch.float32, x.dtype
             rows = x.reshape(-1, self.in_features).contiguous()
             y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-            gemm = load_gemm()
-            assert gemm is not None
-            gemm(
+            self._gemm(
                 rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(),
                 self.out_features, y.data_ptr(), torch.get_num_threads(),
             )  # fmt: skip

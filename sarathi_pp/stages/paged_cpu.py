@@ -113,9 +113,12 @@ static inline void prefetch(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);  /* 16 floats: a line */
 }
 
-/* One sequence: q [H, D] against its n cached tokens, in one pass over its blocks with an
+/* One work item: sequence item / parts, q [H, D], against its cached tokens in block range
+   item % parts of parts (all of them when parts is 1), in one pass over those blocks with an
    online softmax (each block's K and V read once, while the blocks PF_DIST ahead are
-   prefetched). s: [H, BS] scratch for a block's scores; the output row accumulates. */
+   prefetched). s: [H, BS] scratch for a block's scores. The output accumulates in the
+   sequence's row of out, normalised at the end; with parts > 1 in the item's part_o, left
+   unnormalised with its maxima and sums in part_ms for merge_parts. */
 #define PF_DIST 1
 static inline __attribute__((always_inline)) void one_seq(const job_t *j, int item, float *s,
                                                           const int D) {
@@ -222,7 +225,29 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-static int run_threads(job_t *j, int num_threads);
+static int run_threads(job_t *j, int num_threads) {
+#ifdef _OPENMP
+    /* Built with -fopenmp only where torch's OpenMP runtime is libgomp, which this library
+       then shares: its threads are torch's, already awake, instead of new threads competing
+       with torch's spinning ones for the cores (see Note [the kernels' threads] in cpu_kernels.py). */
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads) if(num_threads > 1) reduction(|:failed)
+    failed |= worker(j) != NULL;
+    return failed;
+#else
+    pthread_t threads[64];
+    int started = 1, failed = 0;
+    for (; started < num_threads; started++)
+        if (pthread_create(&threads[started], NULL, worker, j) != 0) break;
+    failed |= worker(j) != NULL;
+    for (int i = 1; i < started; i++) {
+        void *r;
+        pthread_join(threads[i], &r);
+        failed |= r != NULL;
+    }
+    return failed;
+#endif
+}
 
 /* Returns 0, or 1 when scratch memory could not be allocated. */
 int paged_decode_f32(const float *q, const float *k, const float *v, const int64_t *tables,
@@ -248,30 +273,6 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int64
     free(j.part_o);
     free(j.part_ms);
     return failed;
-}
-
-static int run_threads(job_t *j, int num_threads) {
-#ifdef _OPENMP
-    /* Built with -fopenmp only where torch's OpenMP runtime is libgomp, which this library
-       then shares: its threads are torch's, already awake, instead of new threads competing
-       with torch's spinning ones for the cores (see Note [the kernels' threads] in cpu_kernels.py). */
-    int failed = 0;
-    #pragma omp parallel num_threads(num_threads) if(num_threads > 1) reduction(|:failed)
-    failed |= worker(j) != NULL;
-    return failed;
-#else
-    pthread_t threads[64];
-    int started = 1, failed = 0;
-    for (; started < num_threads; started++)
-        if (pthread_create(&threads[started], NULL, worker, j) != 0) break;
-    failed |= worker(j) != NULL;
-    for (int i = 1; i < started; i++) {
-        void *r;
-        pthread_join(threads[i], &r);
-        failed |= r != NULL;
-    }
-    return failed;
-#endif
 }
 """
 

@@ -13,16 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sarathi_pp.stages import cpu_kernels, linear
-from sarathi_pp.stages.linear import KINDS, Linear, choose_kind, load_gemm
+from sarathi_pp.stages import cpu_kernels
+from sarathi_pp.stages.linear import Linear, available_kinds, choose_kind, load_gemm
 
-AVAILABLE = [
-    kind
-    for kind, usable in zip(
-        KINDS, (load_gemm() is not None, torch.backends.mkldnn.is_available(), True)
-    )
-    if usable
-]
+AVAILABLE = available_kinds()
 
 
 @pytest.mark.parametrize("kind", AVAILABLE)
@@ -41,7 +35,7 @@ def test_every_kind_equals_f_linear(kind, rows):
 
 def test_the_choice_follows_the_weight_and_the_switches(monkeypatch):
     w = torch.randn(1024, 256)
-    flags = linear._cpu_flags()
+    flags = cpu_kernels.cpu_flags()
     gemm_here = {"avx2", "fma"} <= flags and "avx512f" not in flags and load_gemm() is not None
     onednn = "onednn" if torch.backends.mkldnn.is_available() else "f_linear"
     assert choose_kind(w) == ("panel_gemm" if gemm_here else onednn)
@@ -68,7 +62,7 @@ def test_the_gemm_kernel_builds_wherever_it_should():
     """A CPU with AVX2 + FMA and no AVX-512, a C compiler, torch on one libgomp (this
     project's machines): the kernel builds and loads, so the choice is never oneDNN by a
     silent build failure. Elsewhere there is nothing to check."""
-    flags = linear._cpu_flags()
+    flags = cpu_kernels.cpu_flags()
     wanted = (
         {"avx2", "fma"} <= flags
         and "avx512f" not in flags

@@ -6,6 +6,9 @@ back to ``torch``. The FlexAttention path (CUDA's without flash-attn) checked ea
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,6 +39,17 @@ def paged_case(lens: list[int], block_size: int, heads: int, kv_heads: int, head
         order = order[n:]
     q = torch.randn(len(lens), heads, head_dim, generator=g)
     return q, k_cache, v_cache, tables
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` (the kernel follows it), then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def reference(q, k_cache, v_cache, tables, lens, block_size):
@@ -73,14 +87,10 @@ def test_paged_decode_one_thread_and_many_agree():
     run = lambda: paged_cpu.paged_decode(  # noqa: E731
         q, k_cache, v_cache, tables, torch.tensor(lens), 16, 0.125
     )
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = run()
-        torch.set_num_threads(3)
+    with torch_threads(3):
         many = run()
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(one, many)  # each sequence is computed whole by one thread
 
 
@@ -94,14 +104,10 @@ def test_fewer_sequences_than_threads_split_their_blocks(block_size, lens):
     (partial results merged by their maxima and sums): still SDPA's values, parts that hold
     no block included (a 2-token sequence split in 2)."""
     q, k_cache, v_cache, tables = paged_case(lens, block_size, 16, 4, 64)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(4)
+    with torch_threads(4):
         out = paged_cpu.paged_decode(
             q, k_cache, v_cache, tables, torch.tensor(lens), block_size, 0.125
         )
-    finally:
-        torch.set_num_threads(threads)
     ref = reference(q, k_cache, v_cache, tables, lens, block_size)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
 
@@ -131,12 +137,8 @@ def test_pthreads_build_equals_sdpa(monkeypatch, tmp_path):
         assert paged_cpu.kernel_threads() == "pthreads"
         lens = [900, 1200, 33, 700]
         q, k_cache, v_cache, tables = paged_case(lens, 16, 8, 2, 64)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(2)
-        try:
+        with torch_threads(2):
             out = paged_cpu.paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens), 16, 0.125)
-        finally:
-            torch.set_num_threads(threads)
         ref = reference(q, k_cache, v_cache, tables, lens, 16)
         torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
     finally:
