@@ -34,7 +34,7 @@ from sarathi_pp.model_spec import spec_from_dict
 from sarathi_pp.stages.attention import ATTENTION_BACKENDS, select_backend
 from sarathi_pp.stages.kv_cache import KVCache
 from sarathi_pp.stages.metadata import build_metadata
-from sarathi_pp.stages.model import DecoderLayer
+from sarathi_pp.stages.model import DecoderLayer, layer_ops
 from sarathi_pp.stages.rope import RotaryEmbedding
 
 LLAMA_7B = {
@@ -76,11 +76,12 @@ class Layers:
                   "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
                   "mlp.down_proj.weight": (h, inter), "input_layernorm.weight": (h,),
                   "post_attention_layernorm.weight": (h,)}  # fmt: skip
+        self.rope = RotaryEmbedding(spec, spec.max_position_embeddings, dtype, device)
+        self.ops = layer_ops(self.rope, dtype, device)
         self.layers = []
         for i in range(num_layers):
             w = {f"model.layers.{i}.{k}": _weight(s, device, dtype) for k, s in shapes.items()}
-            self.layers.append(DecoderLayer(spec, w, f"model.layers.{i}", attention))
-        self.rope = RotaryEmbedding(spec, spec.max_position_embeddings, dtype, device)
+            self.layers.append(DecoderLayer(spec, w, f"model.layers.{i}", attention, self.ops))
         self.kv = KVCache(
             num_layers, blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype, device
         )
@@ -101,10 +102,10 @@ class Layers:
         return x, meta
 
     def run(self, x: torch.Tensor, meta) -> torch.Tensor:
-        cos, sin = self.rope(meta.positions)
+        rotation = self.ops.rotation(meta.positions)
         for idx, layer in enumerate(self.layers):
             k_cache, v_cache = self.kv.flat(idx)
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
+            x = layer(x, rotation, k_cache, v_cache, meta)
         return x
 
     def step(self, microbatch: MicroBatch) -> torch.Tensor:

@@ -30,7 +30,19 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC"]
+# -fno-trapping-math: without it GCC keeps a float compare-and-select (exp's clamp) as a branch,
+# and the loops around it scalar: the attention kernel's softmax exp and SiLU's exp vectorise
+# only with it (one layer of 32 x 1k decode attention 5-7% faster; SiLU * up 4x). No kernel
+# here relies on floating-point traps.
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp-simd",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+]
 OPENMP_FLAGS = ["-fopenmp"]
 OPENMP = "openmp (torch's libgomp threads)"
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from sarathi_pp.model_spec import ModelSpec
+from sarathi_pp.stages import fused_cpu
 from sarathi_pp.stages.attention import ATTENTION_BACKENDS, AttentionMetadata
 from sarathi_pp.stages.kv_cache import KVCache
 from sarathi_pp.stages.linear import Linear
@@ -29,8 +30,70 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+class TorchOps:
+    """A layer's element-wise ops (RMSNorm, the residual add before it, rotary, SiLU * up) as
+    torch ops, exactly as HF writes them: any device and dtype."""
+
+    name = "torch"
+
+    def __init__(self, rope: RotaryEmbedding) -> None:
+        self.rope = rope
+
+    def rotation(self, positions: torch.Tensor):
+        """What ``rotary`` needs for these rows, computed once per forward: cos and sin."""
+        return self.rope(positions)
+
+    def rotary(self, x: torch.Tensor, rotation) -> torch.Tensor:
+        cos, sin = rotation
+        return apply_rotary(x, cos, sin)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + delta
+        return x, rms_norm(x, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class CpuFusedOps(TorchOps):
+    """The same ops as one C call each (``fused_cpu``): float32 on CPU."""
+
+    name = "cpu_fused"
+
+    def rotation(self, positions: torch.Tensor):
+        return positions  # the kernel reads the cos/sin tables at each row's position
+
+    def rotary(self, x: torch.Tensor, rotation) -> torch.Tensor:
+        return fused_cpu.rotary_(x, rotation, self.rope.cos, self.rope.sin)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return fused_cpu.rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_cpu.add_rms_norm(x, delta, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return fused_cpu.silu_mul(gate_up)
+
+
+def layer_ops(rope: RotaryEmbedding, dtype: torch.dtype, device: torch.device) -> TorchOps:
+    """``CpuFusedOps`` where its kernels apply (float32 on CPU, built, not turned off by
+    ``SARATHI_PP_CPU_FUSED=0``), else ``TorchOps``."""
+    return CpuFusedOps(rope) if fused_cpu.fused_applies(dtype, device) else TorchOps(rope)
+
+
 class DecoderLayer:
-    def __init__(self, spec: ModelSpec, w: dict[str, torch.Tensor], prefix: str, attention) -> None:
+    def __init__(
+        self, spec: ModelSpec, w: dict[str, torch.Tensor], prefix: str, attention, ops: TorchOps
+    ) -> None:
         g = lambda k: w[f"{prefix}.{k}"]  # noqa: E731
         qkv_bias = None
         if spec.attention_bias:
@@ -49,21 +112,21 @@ class DecoderLayer:
         self.kv_dim = spec.num_kv_heads * spec.head_dim
         self.head_dim = spec.head_dim
         self.attention = attention
+        self.ops = ops
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        # x: [num_tokens, hidden]
-        h = rms_norm(x, self.ln1, self.eps)
+    def __call__(self, x, rotation, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        # x: [num_tokens, hidden]; rotation: ``self.ops.rotation(meta.positions)``
+        ops = self.ops
+        h = ops.rms_norm(x, self.ln1, self.eps)
         qkv = self.qkv(h)  # [num_tokens, q_dim + 2 * kv_dim]
         q, k, v = qkv.split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         n = x.shape[0]
-        q = apply_rotary(q.view(n, -1, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(n, -1, self.head_dim), cos, sin)
+        q = ops.rotary(q.view(n, -1, self.head_dim), rotation)
+        k = ops.rotary(k.view(n, -1, self.head_dim), rotation)
         v = v.reshape(n, -1, self.head_dim)
         attn = self.attention.forward(q, k, v, k_cache, v_cache, meta)
-        x = x + self.o(attn)
-        h = rms_norm(x, self.ln2, self.eps)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        x, h = ops.add_rms_norm(x, self.o(attn), self.ln2, self.eps)
+        return x + self.down(ops.silu_mul(self.gate_up(h)))
 
 
 class StageModel:
@@ -94,11 +157,12 @@ class StageModel:
         attention = ATTENTION_BACKENDS[attention_backend](
             spec.num_heads, spec.num_kv_heads, spec.head_dim
         )
+        self.rope = RotaryEmbedding(spec, max_positions, dtype, device)
+        self.ops = layer_ops(self.rope, dtype, device)
         self.layers = [
-            DecoderLayer(spec, w, f"model.layers.{i}", attention)
+            DecoderLayer(spec, w, f"model.layers.{i}", attention, self.ops)
             for i in range(layer_start, layer_end)
         ]
-        self.rope = RotaryEmbedding(spec, max_positions, dtype, device)
         self.dtype, self.device = dtype, device
 
     @property
@@ -121,13 +185,15 @@ class StageModel:
         ``[num_tokens, hidden]``. Returns hidden states ``[num_tokens, hidden]`` (before the
         final norm)."""
         x = F.embedding(inputs, self.embed) if self.is_first else inputs
-        cos, sin = self.rope(meta.positions)
+        rotation = self.ops.rotation(meta.positions)
         for idx, layer in enumerate(self.layers):
             k_cache, v_cache = kv.flat(idx)
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
+            x = layer(x, rotation, k_cache, v_cache, meta)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden``: ``[num_sampled, hidden]`` rows to sample from -> float32 logits."""
         assert self.is_last
-        return F.linear(rms_norm(hidden, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
+        return F.linear(
+            self.ops.rms_norm(hidden, self.norm, self.spec.rms_norm_eps), self.lm_head
+        ).float()

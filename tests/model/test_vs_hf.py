@@ -109,3 +109,25 @@ def test_outputs_vary(llama_dir):
     for out in outs:
         assert len(set(out.outputs[0].token_ids)) > 3, out.outputs[0].token_ids
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == len(outs)
+
+
+def test_torch_ops_without_the_cpu_kernels_match_hf(llama_dir, monkeypatch):
+    """The portable path (every CPU kernel off: torch's element-wise ops, F.linear, gather +
+    SDPA; what bf16 and non-x86 CPUs run) stays exact too."""
+    from sarathi_pp.stages import fused_cpu, paged_cpu
+
+    for switch in ("SARATHI_PP_CPU_FUSED", "SARATHI_PP_CPU_GEMM", "SARATHI_PP_ONEDNN_LINEAR"):
+        monkeypatch.setenv(switch, "0")
+    monkeypatch.setenv("SARATHI_PP_CPU_KERNEL", "0")
+    fused_cpu.load_fused.cache_clear()
+    paged_cpu.load_kernel.cache_clear()
+    try:
+        prompts = make_prompts(seed=3)
+        llm, outs = run(llama_dir, prompts, scheduler="sarathi", chunk_size=16)
+        model = llm.engine.executor.worker.model
+        assert model.ops.name == "torch" and llm.engine.executor.worker.backend == "torch"
+        assert {lin.kind for lyr in model.layers for lin in (lyr.qkv, lyr.gate_up)} == {"f_linear"}
+        check_against_hf(llama_dir, outs, prompts)
+    finally:
+        fused_cpu.load_fused.cache_clear()
+        paged_cpu.load_kernel.cache_clear()

@@ -1,0 +1,242 @@
+"""Fused element-wise kernels for a decoder layer on CPU (float32): RMSNorm (with the residual
+add before it), rotary embedding in place, and SiLU(gate) * up.
+
+Why (see Note [small ops of a decode step]): as torch ops, a Llama layer's element-wise work
+is ~30 small ops (RMSNorm alone is pow, mean, add, rsqrt, mul, mul; rotary is two slices, a
+neg, a cat, two muls and an add, for q and for k), each a dispatch, an allocation and, on
+tensors above torch's grain size, a fork-join over its OpenMP threads. On the rows of a decode
+step that overhead is the cost: 12-15 ms of a 124-129 ms step of 32 decodes (8 layers, 2
+threads). Here each is one C call over the rows.
+
+The arithmetic is HF's (``transformers``' ``LlamaRMSNorm``, ``apply_rotary_pos_emb``,
+``silu``): RMSNorm as ``w * (x * rsqrt(mean(x^2) + eps))`` in float32, rotary as ``x * cos +
+rotate_half(x) * sin`` from the same cos/sin tables (``rope.RotaryEmbedding``), SiLU as
+``x / (1 + exp(-x))``. Sums and exp round differently from torch's vectorised ones (a few
+ulp), which the HF-exact tests cover as they do the matmul kernels' summation order.
+
+Built and loaded by ``cpu_kernels.build`` (on torch's OpenMP threads where torch runs on
+libgomp; elsewhere one thread: these loops are short). Where nothing builds, or
+``SARATHI_PP_CPU_FUSED=0``, ``load_fused`` returns None and the model keeps torch's ops.
+
+Note [small ops of a decode step]: ``torch.profiler`` over a decode step of 32 x 1k
+(``benchmarks/piggyback.py``'s micro-batch, the embedded model, 2 threads) shows ~300 aten ops
+taking ~12 ms: mul 76 calls, add 51, pow/sum/div/rsqrt 17 each (RMSNorm), cat/neg 16-18
+(rotary), silu 8 at ~116 us each, plus views, slices and copies. The linears (``panel_gemm``)
+and attention (``paged_cpu``) are ctypes calls and not among them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from functools import cache
+
+import torch
+
+from sarathi_pp.stages.cpu_kernels import KernelUnavailable, build
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+
+/* Below this many elements one thread does the loop (a fork-join costs more). */
+#define PARALLEL_MIN (1 << 16)
+
+/* exp(x), Cephes' expf polynomial (~1 ulp; vectorises, unlike libm's expf). Clamped to
+   [-87, 88], where float's exp neither overflows nor goes subnormal. */
+static inline float exp_f(float x) {
+    x = x < -87.0f ? -87.0f : x;  /* two plain selects: a nested one does not vectorise */
+    x = x > 88.0f ? 88.0f : x;
+    float n = __builtin_rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } u = {.i = ((int32_t)n + 127) << 23};
+    return y * u.f;
+}
+
+/* out[r] = w * (v * rsqrt(mean(v^2) + eps)) with v = x[r] (+ delta[r], stored to sum[r] when
+   delta is given): RMSNorm, optionally after the residual add. Rows of `cols` floats;
+   x_stride, out and sum rows contiguous. */
+void rms_norm_f32(const float *x, int64_t x_stride, const float *delta, float *sum,
+                  const float *w, float *out, int64_t rows, int64_t cols, float eps,
+                  int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) if(rows * cols >= PARALLEL_MIN && num_threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float *o = out + r * cols;
+        const float *v = xr;
+        if (delta) {
+            const float *d = delta + r * cols;
+            float *s = sum + r * cols;
+            #pragma omp simd
+            for (int64_t c = 0; c < cols; c++) s[c] = xr[c] + d[c];
+            v = s;
+        }
+        float ss = 0.0f;
+        #pragma omp simd reduction(+:ss)
+        for (int64_t c = 0; c < cols; c++) ss += v[c] * v[c];
+        const float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+        #pragma omp simd
+        for (int64_t c = 0; c < cols; c++) o[c] = w[c] * (v[c] * inv);
+    }
+}
+
+/* In place on x [rows, heads, head_dim] (heads and head_dim contiguous, rows x_stride apart):
+   x * cos + rotate_half(x) * sin, cos/sin rows [head_dim] of the tables at each row's position.
+   Returns 0, or 1 when a position is outside [0, max_positions). */
+int rotary_f32(float *x, int64_t x_stride, int64_t rows, int heads, int head_dim,
+               const float *cos_t, const float *sin_t, const int64_t *positions,
+               int64_t max_positions, int num_threads) {
+    for (int64_t r = 0; r < rows; r++)
+        if (positions[r] < 0 || positions[r] >= max_positions) return 1;
+    const int half = head_dim / 2;
+    #pragma omp parallel for num_threads(num_threads) if(rows * heads * head_dim >= PARALLEL_MIN && num_threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos_t + positions[r] * head_dim, *s = sin_t + positions[r] * head_dim;
+        for (int h = 0; h < heads; h++) {
+            float *a = x + r * x_stride + (int64_t)h * head_dim, *b = a + half;
+            #pragma omp simd
+            for (int j = 0; j < half; j++) {
+                const float x1 = a[j], x2 = b[j];
+                a[j] = x1 * c[j] + (-x2) * s[j];
+                b[j] = x2 * c[j + half] + x1 * s[j + half];
+            }
+        }
+    }
+    return 0;
+}
+
+/* out [rows, inter] = silu(gate) * up, gate_up [rows, 2 * inter] = [gate | up] per row. */
+void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter,
+                  int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) if(rows * inter >= PARALLEL_MIN && num_threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        #pragma omp simd
+        for (int64_t c = 0; c < inter; c++) o[c] = g[c] / (1.0f + exp_f(-g[c])) * u[c];
+    }
+}
+"""
+
+_threads = "not loaded"
+
+
+@cache
+def load_fused() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (no compiler, or disabled by ``SARATHI_PP_CPU_FUSED=0``);
+    the reason is logged once."""
+    global _threads
+    if os.environ.get("SARATHI_PP_CPU_FUSED", "1") == "0":
+        _threads = "disabled by SARATHI_PP_CPU_FUSED=0"
+        return None
+    try:
+        lib, _threads = build("fused_cpu", _SOURCE)
+    except KernelUnavailable as e:
+        log.warning("CPU fused element-wise kernels unavailable, using torch ops: %s", e)
+        _threads = f"unavailable: {e}"
+        return None
+    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
+    lib.rms_norm_f32.restype = None
+    lib.rotary_f32.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, ptr, i64, i32]
+    lib.rotary_f32.restype = i32
+    lib.silu_mul_f32.argtypes = [ptr, ptr, i64, i64, i32]
+    lib.silu_mul_f32.restype = None
+    return lib
+
+
+def fused_threads() -> str:
+    """How the kernels run their threads, or why they are unavailable (benchmarks' headers)."""
+    load_fused()
+    return _threads
+
+
+def fused_applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """Do the fused kernels run a model of ``dtype`` on ``device``? float32 on CPU, built."""
+    return device.type == "cpu" and dtype == torch.float32 and load_fused() is not None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as rows whose last dimension is contiguous (a copy only where it is not)."""
+    assert x.dtype == torch.float32 and x.device.type == "cpu", (x.dtype, x.device)
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm of ``x [..., hidden]`` (float32)."""
+    lib = load_fused()
+    assert lib is not None
+    rows = _rows(x)
+    out = torch.empty(rows.shape, dtype=torch.float32)
+    lib.rms_norm_f32(
+        rows.data_ptr(), rows.stride(0), None, None, weight.contiguous().data_ptr(),
+        out.data_ptr(), rows.shape[0], rows.shape[1], eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return out.view(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + delta, rms_norm(x + delta))``: the residual add and the norm after it in one
+    pass (float32, same shapes)."""
+    lib = load_fused()
+    assert lib is not None and x.shape == delta.shape, (x.shape, delta.shape)
+    rows, d = _rows(x), _rows(delta).contiguous()
+    total = torch.empty(rows.shape, dtype=torch.float32)
+    out = torch.empty(rows.shape, dtype=torch.float32)
+    lib.rms_norm_f32(
+        rows.data_ptr(), rows.stride(0), d.data_ptr(), total.data_ptr(),
+        weight.contiguous().data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1], eps,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return total.view(x.shape), out.view(x.shape)
+
+
+def rotary_(
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Rotate ``x [rows, heads, head_dim]`` in place (heads and head_dim contiguous; rows may
+    be strided, e.g. a view of a fused QKV output) by ``cos``/``sin`` tables ``[max_positions,
+    head_dim]`` at ``positions [rows]``; returns ``x``."""
+    lib = load_fused()
+    assert lib is not None and x.dim() == 3 and x.dtype == torch.float32
+    n, heads, head_dim = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == head_dim, x.stride()
+    assert cos.shape == sin.shape and cos.shape[1] == head_dim and cos.is_contiguous()
+    assert sin.is_contiguous() and cos.dtype == sin.dtype == torch.float32
+    pos = positions.to(torch.int64).contiguous()
+    assert pos.shape == (n,), (pos.shape, n)
+    failed = lib.rotary_f32(
+        x.data_ptr(), x.stride(0), n, heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+        pos.data_ptr(), cos.shape[0], torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise IndexError(
+            f"rotary: a position outside [0, {cos.shape[0]}) "
+            f"(min {int(pos.min())}, max {int(pos.max())})"
+        )
+    return x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [rows, 2 * inter]`` = ``[gate | up]`` per row."""
+    lib = load_fused()
+    assert lib is not None
+    rows = _rows(gate_up).contiguous()
+    inter = rows.shape[1] // 2
+    assert rows.shape[1] == 2 * inter, rows.shape
+    out = torch.empty(rows.shape[0], inter, dtype=torch.float32)
+    lib.silu_mul_f32(rows.data_ptr(), out.data_ptr(), rows.shape[0], inter, torch.get_num_threads())
+    return out.view(*gate_up.shape[:-1], inter)
