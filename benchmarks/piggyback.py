@@ -263,7 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     microbatches = make_microbatches(work, args.decodes)
     times = measure(worker, microbatches, args.warmup, args.repeats)
     threads = f" (kernel threads: {kernel_threads()})" if worker.backend == "cpu_paged" else ""
-    print(f"attention backend: {worker.backend}{threads}")
+    print(
+        f"attention backend: {worker.backend}{threads}; element-wise ops: {worker.model.ops.name}"
+    )
     print(f"prefill-only: {times['prefill'] / args.chunk_size * 1e3:.3f} ms per prefill token")
     print_table(times, args.decodes)
     print_floors(times, microbatches, engine.spec, worker.stage.dtype, rates)

@@ -1,6 +1,7 @@
 """The CPU kernels' benchmarks run end to end on small sizes and print every kind they
 compare, so they cannot rot: ``benchmarks/linear_rows.py`` (each ``Linear`` kind per weight
-and row count) and ``benchmarks/paged_attention.py`` (gather + SDPA vs the in-place kernel)."""
+and row count), ``benchmarks/paged_attention.py`` (gather + SDPA vs the in-place kernel) and
+``benchmarks/piggyback.py`` (every step kind against its floors, with the kernels it ran on)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sarathi_pp.stages.fused_cpu import load_fused
 from sarathi_pp.stages.linear import choose_kind
 from sarathi_pp.stages.paged_cpu import load_kernel
 
@@ -46,3 +48,16 @@ def test_paged_attention_benchmark_compares_both_paths():
     out = run("paged_attention.py", "--decodes", "2", "--context", "40", "--repeats", "1")
     assert "kernel threads:" in out and "torch " in out and "cpu_paged " in out
     assert "in place / gather + SDPA:" in out
+
+
+def test_piggyback_benchmark_prints_every_step_against_its_floors():
+    """On the embedded model (built on first use), ``--quick``: ~15 s."""
+    out = run("piggyback.py", "--quick", "--threads", "1")
+    steps = [
+        ln.split()[:2] for ln in out.splitlines() if ln.split()[:1] in (["decode"], ["hybrid"])
+    ]
+    assert [" ".join(s) for s in steps if len(s) == 2] == [
+        "decode 1", "hybrid 1", "decode 4", "hybrid 4",
+    ]  # fmt: skip
+    fused = "cpu_fused" if load_fused() is not None else "torch"
+    assert f"element-wise ops: {fused}" in out and "floors: matmul" in out
