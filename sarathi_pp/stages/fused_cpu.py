@@ -34,34 +34,18 @@ from functools import cache
 
 import torch
 
-from sarathi_pp.stages.cpu_kernels import KernelUnavailable, build
+from sarathi_pp.stages.cpu_kernels import C_EXP, KernelUnavailable, build
 
 log = logging.getLogger(__name__)
 
-_SOURCE = r"""
+_SOURCE = (
+    C_EXP
+    + r"""
 #include <math.h>
 #include <stdint.h>
 
 /* Below this many elements one thread does the loop (a fork-join costs more). */
 #define PARALLEL_MIN (1 << 16)
-
-/* exp(x), Cephes' expf polynomial (~1 ulp; vectorises, unlike libm's expf). Clamped to
-   [-87, 88], where float's exp neither overflows nor goes subnormal. */
-static inline float exp_f(float x) {
-    x = x < -87.0f ? -87.0f : x;  /* two plain selects: a nested one does not vectorise */
-    x = x > 88.0f ? 88.0f : x;
-    float n = __builtin_rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } u = {.i = ((int32_t)n + 127) << 23};
-    return y * u.f;
-}
 
 /* out[r] = w * (v * rsqrt(mean(v^2) + eps)) with v = x[r] (+ delta[r], stored to sum[r] when
    delta is given): RMSNorm, optionally after the residual add. Rows of `cols` floats;
@@ -127,6 +111,7 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter,
     }
 }
 """
+)
 
 _threads = "not loaded"
 

@@ -39,11 +39,13 @@ from functools import cache
 
 import torch
 
-from sarathi_pp.stages.cpu_kernels import KernelUnavailable, build
+from sarathi_pp.stages.cpu_kernels import C_EXP, KernelUnavailable, build
 
 log = logging.getLogger(__name__)
 
-_SOURCE = r"""
+_SOURCE = (
+    C_EXP
+    + r"""
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -91,23 +93,6 @@ static inline __attribute__((always_inline)) __m256 dot8(const float *q, const f
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 #endif
-
-/* exp(x) for x <= 0 (a score minus the row's max): Cephes' expf polynomial, ~1 ulp, and
-   unlike libm's expf it vectorises. */
-static inline float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = __builtin_rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } u = {.i = ((int32_t)n + 127) << 23};
-    return y * u.f;
-}
 
 static inline void prefetch(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);  /* 16 floats: a line */
@@ -158,7 +143,7 @@ static inline __attribute__((always_inline)) void one_seq(const job_t *j, int it
             for (i = 0; i < m; i++) bm = sh[i] > bm ? sh[i] : bm;
             float a[D], part = 0.f;
             if (bm > mx[h]) {  /* a new maximum: rescale what was summed so far */
-                const float c = exp_nonpos(mx[h] - bm);
+                const float c = exp_f(mx[h] - bm);
                 sum[h] *= c;
                 for (int x = 0; x < D; x++) a[x] = o[h * D + x] * c;
                 mx[h] = bm;
@@ -166,7 +151,7 @@ static inline __attribute__((always_inline)) void one_seq(const job_t *j, int it
                 for (int x = 0; x < D; x++) a[x] = o[h * D + x];
             }
             #pragma omp simd reduction(+:part)
-            for (i = 0; i < m; i++) { sh[i] = exp_nonpos(sh[i] - bm); part += sh[i]; }
+            for (i = 0; i < m; i++) { sh[i] = exp_f(sh[i] - bm); part += sh[i]; }
             sum[h] += part;
             for (i = 0; i < m; i++) {
                 const float p = sh[i];
@@ -201,7 +186,7 @@ static void merge_parts(const job_t *j) {
             for (int x = 0; x < D; x++) o[x] = 0.f;
             for (int p = 0; p < P; p++) {
                 const int64_t at = ((int64_t)b * P + p) * H + h;
-                const float c = exp_nonpos(j->part_ms[at * 2] - m);
+                const float c = exp_f(j->part_ms[at * 2] - m);
                 total += j->part_ms[at * 2 + 1] * c;
                 for (int x = 0; x < D; x++) o[x] += j->part_o[at * D + x] * c;
             }
@@ -275,6 +260,7 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int64
     return failed;
 }
 """
+)
 
 _threads = "not loaded"
 
