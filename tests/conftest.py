@@ -89,15 +89,20 @@ def python_ctrl_c():
 def _signal_handlers_restored(request):
     """Every test leaves SIGINT and SIGTERM as it found them: a handler left behind changes
     how a later test's Ctrl-C or SIGTERM behaves, and a child process inherits an ignored
-    one. Restored; with a warning naming the test unless it is the CLI's own SIGTERM handler
-    (``cli.common.sigterm_as_interrupt``, installed by every in-process ``main()`` run)."""
+    one. Restored; with a warning naming the test unless it is what every in-process
+    ``main()`` run does on purpose (``cli.common.sigterm_as_interrupt``: its SIGTERM handler,
+    and SIGINT un-ignored when the test process started with it ignored, as a background job
+    of a script does)."""
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     yield
     for sig, handler in before.items():
         now = signal.getsignal(sig)
         if handler is None or now == handler:
             continue
-        if "sigterm_as_interrupt" not in getattr(now, "__qualname__", ""):
+        cli_sigint = (
+            sig == signal.SIGINT and handler == signal.SIG_IGN and now is signal.default_int_handler
+        )
+        if "sigterm_as_interrupt" not in getattr(now, "__qualname__", "") and not cli_sigint:
             warnings.warn(
                 f"{request.node.nodeid} left the {signal.Signals(sig).name} handler changed "
                 f"({now!r}; was {handler!r}): restored",
