@@ -161,3 +161,18 @@ def build(name: str, source: str, *, need_openmp: bool = False) -> tuple[ctypes.
         raise KernelUnavailable(f"needs torch's OpenMP threads: {why}")
     log.info("%s kernel without OpenMP (%s): its own threads", name, why)
     return _build_and_load(name, source, FLAGS), "pthreads"
+
+
+def build_unless_off(
+    name: str, source: str, switch: str, what: str, instead: str
+) -> tuple[ctypes.CDLL | None, str]:
+    """``build(name, source)`` for a kernel the model can do without: ``(library, how its
+    threads run)``, or ``(None, why not)`` when the environment variable ``switch`` is ``0``
+    or nothing builds (logged once as a warning: "<what> unavailable, <instead>: <reason>")."""
+    if os.environ.get(switch, "1") == "0":
+        return None, f"disabled by {switch}=0"
+    try:
+        return build(name, source)
+    except KernelUnavailable as e:
+        log.warning("%s unavailable, %s: %s", what, instead, e)
+        return None, f"unavailable: {e}"

@@ -28,15 +28,11 @@ and attention (``paged_cpu``) are ctypes calls and not among them.
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 from functools import cache
 
 import torch
 
-from sarathi_pp.stages.cpu_kernels import C_EXP, KernelUnavailable, build
-
-log = logging.getLogger(__name__)
+from sarathi_pp.stages.cpu_kernels import C_EXP, build_unless_off
 
 _SOURCE = (
     C_EXP
@@ -121,14 +117,11 @@ def load_fused() -> ctypes.CDLL | None:
     """The compiled kernels, or None (no compiler, or disabled by ``SARATHI_PP_CPU_FUSED=0``);
     the reason is logged once."""
     global _threads
-    if os.environ.get("SARATHI_PP_CPU_FUSED", "1") == "0":
-        _threads = "disabled by SARATHI_PP_CPU_FUSED=0"
-        return None
-    try:
-        lib, _threads = build("fused_cpu", _SOURCE)
-    except KernelUnavailable as e:
-        log.warning("CPU fused element-wise kernels unavailable, using torch ops: %s", e)
-        _threads = f"unavailable: {e}"
+    lib, _threads = build_unless_off(
+        "fused_cpu", _SOURCE, "SARATHI_PP_CPU_FUSED", "CPU fused element-wise kernels",
+        "using torch ops",
+    )  # fmt: skip
+    if lib is None:
         return None
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i32]

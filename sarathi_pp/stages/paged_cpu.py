@@ -33,15 +33,11 @@ instead of 1 did not help.
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 from functools import cache
 
 import torch
 
-from sarathi_pp.stages.cpu_kernels import C_EXP, KernelUnavailable, build
-
-log = logging.getLogger(__name__)
+from sarathi_pp.stages.cpu_kernels import C_EXP, build_unless_off
 
 _SOURCE = (
     C_EXP
@@ -270,14 +266,11 @@ def load_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The compiled ``paged_decode_f32``, or None (no compiler, or disabled by
     ``SARATHI_PP_CPU_KERNEL=0``); the reason is logged once."""
     global _threads
-    if os.environ.get("SARATHI_PP_CPU_KERNEL", "1") == "0":
-        _threads = "disabled by SARATHI_PP_CPU_KERNEL=0"
-        return None
-    try:
-        lib, _threads = build("paged_decode", _SOURCE)
-    except KernelUnavailable as e:
-        log.warning("CPU paged attention kernel unavailable, using gather + SDPA: %s", e)
-        _threads = f"unavailable: {e}"
+    lib, _threads = build_unless_off(
+        "paged_decode", _SOURCE, "SARATHI_PP_CPU_KERNEL", "CPU paged attention kernel",
+        "using gather + SDPA",
+    )  # fmt: skip
+    if lib is None:
         return None
     fn = lib.paged_decode_f32
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
