@@ -38,11 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
     add_threads_flag,
     copy_gbps,
+    describe_rates,
     floor_s,
     is_busy,
     load_average,
     machine_line,
-    matmul_gflops,
+    matmul_rates,
     median,
     microbatch_flops,
     parse_int_list,
@@ -209,13 +210,14 @@ def print_floors(
     microbatches: dict[str, MicroBatch],
     spec: ModelSpec,
     dtype: str,
-    rates: tuple[float, float],
+    rates: tuple[dict[str, float], float],
 ) -> None:
     """Each step against its floors (``common.floor_s``): the compute floor at the matmul rate
     and the bandwidth floor at the copy rate, both measured in this run."""
-    gflops, gbps = rates
+    matmul, gbps = rates
+    gflops = max(matmul.values())
     print(
-        f"floors: matmul {gflops:.1f} GFLOP/s, copy {gbps:.1f} GB/s (read + write), "
+        f"floors: matmul {describe_rates(matmul)}, copy {gbps:.1f} GB/s (read + write), "
         "both measured in this run"
     )
     print(
@@ -259,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         f"median of {args.repeats} runs after {args.warmup} warm-up"
     )
     work = build_workload(worker, args, engine.block_size)
-    rates = (matmul_gflops(), copy_gbps())
+    rates = (matmul_rates(), copy_gbps())
     microbatches = make_microbatches(work, args.decodes)
     times = measure(worker, microbatches, args.warmup, args.repeats)
     threads = f" (kernel threads: {kernel_threads()})" if worker.backend == "cpu_paged" else ""

@@ -51,12 +51,13 @@ from common import (  # noqa: E402
     add_threads_flag,
     chunk_flops,
     copy_gbps,
+    describe_rates,
     floor_s,
     is_busy,
     load_args_workload,
     load_average,
     machine_line,
-    matmul_gflops,
+    matmul_rates,
     microbatch_flops,
     random_prompts,
     set_threads,
@@ -223,13 +224,16 @@ def print_throughput(runs: list[RunResult]) -> None:
         print(f"throughput ratio ours / HF: {runs[1].span_s / runs[0].span_s:.2f}x")
 
 
-def print_flops(runs: list[RunResult], total_flops: int, rates: list[float]) -> float:
-    """Returns the peak used: the best of the matmul rates measured before and after the
-    runs (they differ much only when the machine's load changed meanwhile)."""
+def print_flops(runs: list[RunResult], total_flops: int, measured: list[dict[str, float]]) -> float:
+    """Returns the peak used: the best of the matmul rates (``common.matmul_rates``: every way
+    of computing a matmul here) measured before and after the runs (they differ much only when
+    the machine's load changed meanwhile)."""
+    rates = [max(r.values()) for r in measured]
     peak_gflops = max(rates)
     print(
         f"model FLOPs of the workload: {total_flops / 1e9:.0f} GFLOP; fp32 matmul rate "
-        f"{rates[0]:.1f} GFLOP/s before the runs, {rates[1]:.1f} after; peak = {peak_gflops:.1f}"
+        f"{describe_rates(measured[0])} before the runs, {describe_rates(measured[1])} after; "
+        f"peak = {peak_gflops:.1f}"
     )
     if min(rates) < 0.8 * peak_gflops:
         print(
@@ -301,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     workload = load_args_workload(args, WORKLOAD, QUICK_WORKLOAD)
     print(machine_line(set_threads(args.threads)))
-    rate_before, copy_before = matmul_gflops(), copy_gbps()
+    rate_before, copy_before = matmul_rates(), copy_gbps()
     llm = build_llm(args)
     num_threads = torch.get_num_threads()  # what our engine runs with (the config may set it)
     requests = workload_requests(llm, workload)
@@ -319,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = [ours]
     if not args.skip_hf:
         runs.append(run_peer(args, model_dir, dtype, requests, num_threads))
-    rates = [rate_before, matmul_gflops()]
+    rates = [rate_before, matmul_rates()]
     gbps = max(copy_before, copy_gbps())
     print_throughput(runs)
     total_flops = workload_flops(spec, requests)
