@@ -131,3 +131,26 @@ def test_torch_ops_without_the_cpu_kernels_match_hf(llama_dir, monkeypatch):
     finally:
         fused_cpu.load_fused.cache_clear()
         paged_cpu.load_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_packed_weights_and_lm_head_match_hf(tiny_model, variant, monkeypatch):
+    """The test models' weights are below ``MIN_PACKED_ELEMENTS`` (``F.linear``): with the
+    threshold at 1 every layer weight and the lm_head take the packed kernels the real models
+    take, and stay exact. Tied embeddings on one stage keep the lm_head unpacked (it is the
+    embedding the stage looks tokens up in)."""
+    from sarathi_pp.stages import linear
+
+    monkeypatch.setattr(linear, "MIN_PACKED_ELEMENTS", 1)
+    model_dir = tiny_model(variant)
+    prompts = make_prompts(seed=4)
+    llm, outs = run(model_dir, prompts, scheduler="sarathi", chunk_size=16)
+    model = llm.engine.executor.worker.model
+    kinds = {lin.kind for lyr in model.layers for lin in (lyr.qkv, lyr.o, lyr.gate_up, lyr.down)}
+    if linear.available_kinds() != ["f_linear"]:  # oneDNN or the panel kernel here
+        assert "f_linear" not in kinds
+    if variant == "qwen2":  # tied
+        assert model.lm_head.kind == "f_linear" and model.lm_head.weight is model.embed
+    else:
+        assert model.lm_head.kind in kinds and model.lm_head.is_packed == (kinds != {"f_linear"})
+    check_against_hf(model_dir, outs, prompts)
