@@ -69,8 +69,11 @@ def reference(q, k_cache, v_cache, tables, lens, block_size):
 @needs_kernel
 @pytest.mark.parametrize("block_size", [1, 16, 256])
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(8, 2, 64), (4, 4, 128), (6, 3, 40)]
-)  # GQA; MHA; an odd head_dim (the generic loop)
+    ("heads", "kv_heads", "head_dim"),
+    [(8, 2, 64), (4, 4, 128), (6, 3, 40), (9, 3, 64), (10, 2, 64), (16, 2, 32), (2, 2, 96)],
+)  # GQA 4 heads per KV head; MHA; an odd head_dim (the generic loop); 3, 5 (4 + 1) and 8
+# (4 + 4) heads per KV head (V is weighed for up to 4 heads at once); MHA at a head_dim the
+# one-head vector pass does not divide (its plain loop)
 def test_paged_decode_equals_sdpa(block_size, heads, kv_heads, head_dim):
     lens = [1, 17, 300, block_size, block_size + 1, 513]  # mixed, partial last blocks
     q, k_cache, v_cache, tables = paged_case(lens, block_size, heads, kv_heads, head_dim)
