@@ -1,14 +1,18 @@
 """``y = x W^T (+ b)`` for the decoder's weights. On CPU float32 the weight is prepacked once at
 load time for one of two kernels, else ``F.linear``:
 
-- ``panel_gemm`` (x86 with AVX2 + FMA, no AVX-512; torch on libgomp): our small C kernel
+- ``panel_gemm`` (x86 with AVX2 + FMA; torch on libgomp): our small C kernel
   (``cpu_kernels``), the weight packed in panels of 16 output columns (``[N/16, K, 16]``),
-  each panel streamed once per call while 6 rows at a time accumulate in registers (2 x 6
-  AVX2 accumulators, a broadcast of x and two loads of W per k), panels split over torch's
-  OpenMP threads. For fewer than 128 rows K is cut into slices of 256 (16 KB of the panel
-  stays in L1 across the row blocks).
+  each panel streamed once per call while a block of rows accumulates in registers, panels
+  split over torch's OpenMP threads. For fewer than 128 rows K is cut into slices of 256
+  (16 KB of the panel stays in L1 across the row blocks). Two micro-kernels, chosen at build
+  time (``-march=native``): with AVX2, 6 rows at a time (2 x 6 accumulators, a broadcast of x
+  and two loads of W per k); with AVX-512, 16 rows at a time (16 zmm accumulators, one load
+  of W per k) from a copy of x packed by blocks of 16 rows (see Note [the AVX-512 panel
+  kernel]).
 - ``onednn``: oneDNN with the weight reordered into its blocked layout
-  (``mkldnn._linear_pointwise``); elsewhere, or with ``SARATHI_PP_CPU_GEMM=0``.
+  (``mkldnn._linear_pointwise``); where the kernel does not load, or with
+  ``SARATHI_PP_CPU_GEMM=0``.
 - ``f_linear``: other dtypes and devices, small weights, ``SARATHI_PP_ONEDNN_LINEAR=0``.
 
 Only the packed weight is kept (no second copy).
@@ -18,7 +22,7 @@ Why (see Note [small-row matmuls on CPU]): decode-only steps multiply few rows
 on this class of CPU (AMD), oneDNN prepacked is 2-8x faster from 4 to 64 rows; the panel
 kernel is 1.1-1.3x faster than oneDNN again from 1 to 64 rows with the weights coming from
 memory (as in a step), and on par or faster at 128 to 2048 rows (prefill chunks, whole
-prompts).
+prompts), on an AVX2 EPYC; on an AVX-512 one, see Note [the AVX-512 panel kernel].
 
 Note [small-row matmuls on CPU]: tiny-llama's gate/up weight (5632 x 1024, float32) on a
 2-core AMD EPYC VM, torch 2.13, best of 12: 1 thread, ms for 1 / 8 / 32 / 256 rows: MKL
@@ -34,8 +38,22 @@ kinds interleaved (``benchmarks/linear_rows.py``: each call finds its weight evi
 at 1 / 4 / 16 / 32 / 64 / 256 rows: 1.56 / 1.79 / 3.20 / 4.14 / 7.25 / 23.0 vs 1.90 / 2.36 /
 3.57 / 4.47 / 7.56 / 23.3; at 1 thread 2.11 / 2.48 / 5.18 / 6.84 / 13.0 / 37.9 vs 2.26 / 3.27
 / 5.94 / 8.11 / 13.8 / 42.7 (MKL's gemv is faster at 1 row on one thread: 1.82). Prefetching
-the panel 2 KB ahead gained 5-13% at 4-32 rows. Not measured on AVX-512 CPUs, where oneDNN's
-AVX-512 kernels are kept.
+the panel 2 KB ahead gained 5-13% at 4-32 rows.
+
+Note [the AVX-512 panel kernel]: on a 2-core AVX-512 EPYC (2026-12-02, torch 2.13) oneDNN
+reaches 210-220 GFLOP/s from 256 rows but 120-155 at 16 rows, the rows of a decode step. The
+AVX2 kernel (6 rows) was 1.0-1.2x slower than oneDNN there from 4 to 256 rows. Sixteen rows
+at a time in zmm registers, x read in place: ~95 GFLOP/s for every weight with K = 1024 at
+16 rows and up, because x's rows are 4 KB apart and sixteen of them fall in the same L1 set
+(8 ways), against 145-195 for the down weight (K = 2816). With x first copied into blocks of
+16 rows, ``[K][16]`` (one line per k; the copy is M x K floats against M x K x N multiply-adds),
+each weight streamed from memory as in a step (six copies, cycled), 2 threads, GFLOP/s
+against oneDNN in the same run: at 2 rows 1.5-1.9x, 16 rows 1.14-1.25x (gate/up 194 vs 155),
+32 rows 1.06-1.13x, 64 rows 0.96-1.03x, 128 to 1024 rows 0.95-1.06x. 24 or 28 rows at a time
+were no better at 16-64 rows and worse from 256 (spills). In the engine
+(``benchmarks/piggyback.py --decodes 8,16,32 --decode-context 1024``, the kinds alternated
+twice): decode-only steps of 8 / 16 / 32 decodes 1.15-1.24x / 1.12x / 1.07-1.10x faster,
+prefill and hybrid steps unchanged within the noise.
 """
 
 from __future__ import annotations
@@ -61,6 +79,7 @@ KINDS = ("panel_gemm", "onednn", "f_linear")
 
 _GEMM_SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
 #if !(defined(__AVX2__) && defined(__FMA__))
 #error "the panel kernel needs AVX2 and FMA"
 #endif
@@ -68,7 +87,51 @@ _GEMM_SOURCE = r"""
 #define NR 16   /* output columns per panel */
 #define KC 256  /* K slice for few rows: 16 KB of the panel stays in L1 across row blocks */
 
-/* y[MR rows, NR] (+)= x[MR rows, kc] . wp[kc, NR]: 2 x MR accumulators in registers. */
+#if defined(__AVX512F__)
+/* AVX-512: 16 rows x 16 columns (one zmm accumulator per row, 16 of the 32 registers) per
+   load of the panel, from x packed by blocks of 16 rows as [K][mr] (see Note [the AVX-512
+   panel kernel]). */
+#define MR_MAX 16
+static inline __attribute__((always_inline)) void micro(const float *xp, const float *wp,
+                                                        int64_t kc, float *y, int64_t ldy,
+                                                        const int MR, int accumulate) {
+    __m512 acc[MR_MAX];
+    for (int r = 0; r < MR; r++) acc[r] = accumulate ? _mm512_loadu_ps(y + r * ldy) : _mm512_setzero_ps();
+    for (int64_t k = 0; k < kc; k++) {
+        __builtin_prefetch(wp + (k + 32) * NR);  /* a panel row is one line: 2 KB ahead */
+        const __m512 w = _mm512_loadu_ps(wp + k * NR);
+        for (int r = 0; r < MR; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xp[k * MR + r]), w, acc[r]);
+    }
+    for (int r = 0; r < MR; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+/* One panel for all M rows, K from k0 to k0 + kc; xp: x packed (block r at xp + r * K). */
+static void panel(const float *xp, int64_t M, int64_t K, const float *wp, float *y, int64_t N,
+                  int64_t k0, int64_t kc) {
+    const int acc = k0 > 0;
+    int64_t r = 0;
+    wp += k0 * NR;
+    for (; r + MR_MAX <= M; r += MR_MAX) micro(xp + r * K + k0 * MR_MAX, wp, kc, y + r * N, N, MR_MAX, acc);
+#define TAIL(n) case n: micro(xp + r * K + k0 * n, wp, kc, y + r * N, N, n, acc); break;
+    switch (M - r) {
+        TAIL(15) TAIL(14) TAIL(13) TAIL(12) TAIL(11) TAIL(10) TAIL(9) TAIL(8)
+        TAIL(7) TAIL(6) TAIL(5) TAIL(4) TAIL(3) TAIL(2) TAIL(1)
+    }
+#undef TAIL
+}
+
+/* x [M, K] -> xp: each block of up to 16 rows r0.. as [K][mr] at xp + r0 * K. */
+static void pack_x(const float *x, int64_t M, int64_t K, float *xp, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if(num_threads > 1 && M * K > 65536)
+    for (int64_t r0 = 0; r0 < M; r0 += MR_MAX) {
+        const int64_t mr = M - r0 < MR_MAX ? M - r0 : MR_MAX;
+        float *d = xp + r0 * K;
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t r = 0; r < mr; r++) d[k * mr + r] = x[(r0 + r) * K + k];
+    }
+}
+#else
+/* AVX2: y[MR rows, NR] (+)= x[MR rows, kc] . wp[kc, NR]: 2 x MR accumulators in registers. */
 static inline __attribute__((always_inline)) void micro(const float *x, int64_t ldx,
                                                         const float *wp, int64_t kc, float *y,
                                                         int64_t ldy, const int MR, int accumulate) {
@@ -108,15 +171,28 @@ static void panel(const float *x, int64_t M, int64_t K, const float *wp, float *
         case 1: micro(x + r * K, K, wp, kc, y + r * N, N, 1, acc); break;
     }
 }
+#endif
 
-/* y [M, N] = x [M, K] . W^T, W packed as wp [N / NR, K, NR]; N a multiple of NR. */
-void panel_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, float *y,
-                    int num_threads) {
+/* y [M, N] = x [M, K] . W^T, W packed as wp [N / NR, K, NR]; N a multiple of NR. Returns 0, or
+   1 when the packed copy of x could not be allocated (AVX-512). */
+int panel_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, float *y,
+                   int num_threads) {
     const int64_t panels = N / NR, kc = M < 128 ? KC : K;
+#if defined(__AVX512F__)
+    float *xp = malloc(sizeof(float) * (size_t)(M * K));
+    if (xp == NULL) return 1;
+    pack_x(x, M, K, xp, num_threads);
+#else
+    const float *xp = x;
+#endif
     #pragma omp parallel for schedule(static) num_threads(num_threads) if(num_threads > 1)
     for (int64_t p = 0; p < panels; p++)
         for (int64_t k0 = 0; k0 < K; k0 += kc)
-            panel(x, M, K, wp + p * K * NR, y + p * NR, N, k0, K - k0 < kc ? K - k0 : kc);
+            panel(xp, M, K, wp + p * K * NR, y + p * NR, N, k0, K - k0 < kc ? K - k0 : kc);
+#if defined(__AVX512F__)
+    free(xp);
+#endif
+    return 0;
 }
 """
 
@@ -124,14 +200,11 @@ void panel_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64
 @cache
 def load_gemm() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The compiled ``panel_gemm_f32``, or None (the reason logged once): a CPU without
-    AVX2 + FMA or with AVX-512 (oneDNN's kernels there), no compiler, or torch not on
-    libgomp (the kernel runs on torch's OpenMP threads)."""
+    AVX2 + FMA, no compiler, or torch not on libgomp (the kernel runs on torch's OpenMP
+    threads). With AVX-512 (``-march=native``) it is built with the AVX-512 micro-kernel."""
     flags = cpu_flags()
-    if not {"avx2", "fma"} <= flags or "avx512f" in flags:
-        log.info(
-            "panel GEMM not used: CPU flags avx2/fma/avx512f = %s",
-            ["avx2" in flags, "fma" in flags, "avx512f" in flags],
-        )
+    if not {"avx2", "fma"} <= flags:
+        log.info("panel GEMM not used: CPU flags avx2/fma = %s", ["avx2" in flags, "fma" in flags])
         return None
     try:
         lib, _ = build("panel_gemm", _GEMM_SOURCE, need_openmp=True)
@@ -141,7 +214,7 @@ def load_gemm() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     fn = lib.panel_gemm_f32
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
-    fn.restype = None
+    fn.restype = ctypes.c_int
     return fn
 
 
@@ -225,10 +298,14 @@ class Linear:
             assert x.dtype == torch.float32, x.dtype
             rows = x.reshape(-1, self.in_features).contiguous()
             y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-            self._gemm(
+            failed = self._gemm(
                 rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(),
                 self.out_features, y.data_ptr(), torch.get_num_threads(),
             )  # fmt: skip
+            if failed:
+                raise MemoryError(
+                    f"panel_gemm: no memory for a packed copy of {tuple(rows.shape)} rows"
+                )
             if self.bias is not None:
                 y.add_(self.bias)
             return y.view(*x.shape[:-1], self.out_features)

@@ -152,5 +152,7 @@ def test_packed_weights_and_lm_head_match_hf(tiny_model, variant, monkeypatch):
     if variant == "qwen2":  # tied
         assert model.lm_head.kind == "f_linear" and model.lm_head.weight is model.embed
     else:
-        assert model.lm_head.kind in kinds and model.lm_head.is_packed == (kinds != {"f_linear"})
+        # packed as the layers are (its kind may differ: panel_gemm needs whole panels of 16
+        # rows, and the test vocabularies are not all multiples of 16)
+        assert model.lm_head.is_packed == (kinds != {"f_linear"})
     check_against_hf(model_dir, outs, prompts)
