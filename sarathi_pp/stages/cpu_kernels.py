@@ -140,17 +140,21 @@ def _build_and_load(name: str, source: str, flags: list[str]) -> ctypes.CDLL:
         raise KernelUnavailable(f"loading {path}: {e}") from e
 
 
-def build(name: str, source: str, *, need_openmp: bool = False) -> tuple[ctypes.CDLL, str]:
+def build(
+    name: str, source: str, *, need_openmp: bool = False, extra_flags: tuple[str, ...] = ()
+) -> tuple[ctypes.CDLL, str]:
     """``source`` compiled and loaded, and how it runs its threads: ``OPENMP`` (built with
     ``-fopenmp`` on torch's libgomp, see Note [the kernels' threads]) or ``"pthreads"`` (built
     without OpenMP: the source's ``#ifndef _OPENMP`` path). With ``need_openmp`` there is no
-    build without OpenMP: ``KernelUnavailable`` instead. Raises ``KernelUnavailable`` with the
-    reason when nothing builds."""
+    build without OpenMP: ``KernelUnavailable`` instead. ``extra_flags`` follow ``FLAGS``
+    (e.g. ``-mno-avx512f``: a source's AVX2 path on an AVX-512 CPU). Raises
+    ``KernelUnavailable`` with the reason when nothing builds."""
+    flags = FLAGS + list(extra_flags)
     runtimes = loaded_libgomp()
     why = f"torch's OpenMP runtime is not one libgomp ({runtimes or 'none mapped'})"
     if len(runtimes) == 1:
         try:
-            lib = _build_and_load(name, source, FLAGS + OPENMP_FLAGS)
+            lib = _build_and_load(name, source, flags + OPENMP_FLAGS)
             if loaded_libgomp() == runtimes:
                 return lib, OPENMP
             why = f"its OpenMP build loaded {loaded_libgomp()} beside torch's {runtimes}"
@@ -160,7 +164,7 @@ def build(name: str, source: str, *, need_openmp: bool = False) -> tuple[ctypes.
     if need_openmp:
         raise KernelUnavailable(f"needs torch's OpenMP threads: {why}")
     log.info("%s kernel without OpenMP (%s): its own threads", name, why)
-    return _build_and_load(name, source, FLAGS), "pthreads"
+    return _build_and_load(name, source, flags), "pthreads"
 
 
 def build_unless_off(

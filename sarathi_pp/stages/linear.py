@@ -198,16 +198,18 @@ int panel_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_
 
 
 @cache
-def load_gemm() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def load_gemm(extra_flags: tuple[str, ...] = ()) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The compiled ``panel_gemm_f32``, or None (the reason logged once): a CPU without
     AVX2 + FMA, no compiler, or torch not on libgomp (the kernel runs on torch's OpenMP
-    threads). With AVX-512 (``-march=native``) it is built with the AVX-512 micro-kernel."""
+    threads). With AVX-512 (``-march=native``) it is built with the AVX-512 micro-kernel;
+    ``extra_flags`` go to the compiler after the usual ones (the tests build the AVX2
+    micro-kernel on AVX-512 CPUs with ``-mno-avx512f``)."""
     flags = cpu_flags()
     if not {"avx2", "fma"} <= flags:
         log.info("panel GEMM not used: CPU flags avx2/fma = %s", ["avx2" in flags, "fma" in flags])
         return None
     try:
-        lib, _ = build("panel_gemm", _GEMM_SOURCE, need_openmp=True)
+        lib, _ = build("panel_gemm", _GEMM_SOURCE, need_openmp=True, extra_flags=extra_flags)
     except KernelUnavailable as e:
         log.warning("panel GEMM kernel unavailable, using oneDNN: %s", e)
         return None

@@ -71,6 +71,25 @@ def test_the_gemm_kernel_builds_wherever_it_should():
     assert load_gemm() is not None or not wanted
 
 
+def test_the_avx2_micro_kernel_on_an_avx512_cpu_equals_f_linear():
+    """``panel_gemm`` has two micro-kernels, chosen when it is built (``-march=native``): on an
+    AVX-512 CPU the AVX2 one is built with ``-mno-avx512f`` and checked here, so both are
+    checked wherever AVX-512 runs (an AVX2-only CPU runs only the AVX2 one, in the test
+    above)."""
+    flags = cpu_kernels.cpu_flags()
+    if "avx512f" not in flags or load_gemm() is None:
+        pytest.skip("no AVX-512 build here: the kind tests above run the AVX2 micro-kernel")
+    avx2 = load_gemm(("-mno-avx512f",))
+    assert avx2 is not None and avx2 is not load_gemm()
+    torch.manual_seed(0)
+    w, b = torch.randn(1024, 300), torch.randn(1024)
+    lin = Linear(w, b, kind="panel_gemm")
+    lin._gemm = avx2
+    for rows in [1, 5, 6, 7, 13, 16, 17, 127, 128, 600]:
+        x = torch.randn(rows, 300)
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", AVAILABLE)
 def test_a_float64_default_dtype_changes_nothing(kind):
     w = torch.randn(1024, 256)
