@@ -54,6 +54,17 @@ were no better at 16-64 rows and worse from 256 (spills). In the engine
 (``benchmarks/piggyback.py --decodes 8,16,32 --decode-context 1024``, the kinds alternated
 twice): decode-only steps of 8 / 16 / 32 decodes 1.15-1.24x / 1.12x / 1.07-1.10x faster,
 prefill and hybrid steps unchanged within the noise.
+
+Many rows: with every panel reading all of x, x is streamed from L3 or memory once per panel
+once it outgrows L2, and the down weight (K = 2816) ran at 0.5-0.66x oneDNN at 2048 rows,
+0.79-0.96x at 1024 (the AVX2 kernel has the same loop). Above 2^20 floats of x the rows go
+in chunks of 128 and K in slices of 512 (the chunk's slice of x, 256 KB, stays in L2 while
+every panel's slice passes over it; the panels of a slice split over the threads, a barrier
+per slice). Then, against oneDNN in the same run: 128-256 rows 1.01-1.07x, 512-1024 rows
+0.98-1.00x (down 0.88x), 2048 rows 0.93x (down 0.89x); chunks of 256 rows, slices of 256,
+the slices outermost, or x packed per chunk instead of once: no better. A 1024-token prefill
+chunk in the engine (``piggyback.py --chunk-size 1024``, oneDNN / panel alternated): 1412 /
+1542 ms vs 1456 / 1608 ms (3-4% slower); the default 256-token chunks are on par.
 """
 
 from __future__ import annotations
@@ -86,6 +97,9 @@ _GEMM_SOURCE = r"""
 #include <immintrin.h>
 #define NR 16   /* output columns per panel */
 #define KC 256  /* K slice for few rows: 16 KB of the panel stays in L1 across row blocks */
+#define BIG_X (1 << 20)  /* floats of x above which rows go in chunks of MC, K in slices of KC_BIG */
+#define MC 128           /* a multiple of 16: the AVX-512 kernel's packed row blocks start at chunks */
+#define KC_BIG 512
 
 #if defined(__AVX512F__)
 /* AVX-512: 16 rows x 16 columns (one zmm accumulator per row, 16 of the 32 registers) per
@@ -185,10 +199,26 @@ int panel_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_
 #else
     const float *xp = x;
 #endif
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if(num_threads > 1)
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t k0 = 0; k0 < K; k0 += kc)
-            panel(xp, M, K, wp + p * K * NR, y + p * NR, N, k0, K - k0 < kc ? K - k0 : kc);
+    if (M * K <= BIG_X) {
+        #pragma omp parallel for schedule(static) num_threads(num_threads) if(num_threads > 1)
+        for (int64_t p = 0; p < panels; p++)
+            for (int64_t k0 = 0; k0 < K; k0 += kc)
+                panel(xp, M, K, wp + p * K * NR, y + p * NR, N, k0, K - k0 < kc ? K - k0 : kc);
+    } else {
+        /* Many rows (x above 4 MB): every panel reading all of x would stream it from L3 or
+           memory once per panel (down at 2048 rows: 0.5-0.66x oneDNN). Instead rows in
+           chunks of MC and K in slices of KC_BIG: the chunk's slice of x (256 KB) stays in
+           L2 while every panel's slice passes over it (see Note [the AVX-512 panel
+           kernel]). */
+        #pragma omp parallel num_threads(num_threads) if(num_threads > 1)
+        for (int64_t r0 = 0; r0 < M; r0 += MC)
+            for (int64_t k0 = 0; k0 < K; k0 += KC_BIG) {
+                const int64_t mc = M - r0 < MC ? M - r0 : MC, kcb = K - k0 < KC_BIG ? K - k0 : KC_BIG;
+                #pragma omp for schedule(static)
+                for (int64_t p = 0; p < panels; p++)
+                    panel(xp + r0 * K, mc, K, wp + p * K * NR, y + r0 * N + p * NR, N, k0, kcb);
+            }
+    }
 #if defined(__AVX512F__)
     free(xp);
 #endif

@@ -33,6 +33,17 @@ def test_every_kind_equals_f_linear(kind, rows):
     assert lin.nbytes == w.numel() * 4
 
 
+@pytest.mark.parametrize("kind", AVAILABLE)
+def test_many_rows_take_the_chunked_path_and_stay_exact(kind):
+    """1000 rows x 1100 in (x above 2^20 floats): ``panel_gemm`` goes by chunks of 128 rows
+    and K slices of 512, here with a 104-row last chunk (a tail block of 8) and a 76-wide
+    last slice."""
+    torch.manual_seed(1)
+    w, b = torch.randn(256, 1100), torch.randn(256)
+    x = torch.randn(1000, 1100)
+    torch.testing.assert_close(Linear(w, b, kind=kind)(x), F.linear(x, w, b), atol=2e-3, rtol=1e-4)
+
+
 def test_the_choice_follows_the_weight_and_the_switches(monkeypatch):
     w = torch.randn(1024, 256)
     flags = cpu_kernels.cpu_flags()
@@ -88,6 +99,11 @@ def test_the_avx2_micro_kernel_on_an_avx512_cpu_equals_f_linear():
     for rows in [1, 5, 6, 7, 13, 16, 17, 127, 128, 600]:
         x = torch.randn(rows, 300)
         torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    wb = torch.randn(256, 1100)  # the chunked path (x above 2^20 floats), as below
+    big = Linear(wb, kind="panel_gemm")
+    big._gemm = avx2
+    x = torch.randn(1000, 1100)
+    torch.testing.assert_close(big(x), F.linear(x, wb), atol=2e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", AVAILABLE)
