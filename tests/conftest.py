@@ -92,7 +92,7 @@ def _signal_handlers_restored(request):
     one. Restored; with a warning naming the test unless it is what every in-process
     ``main()`` run does on purpose (``cli.common.sigterm_as_interrupt``: its SIGTERM handler,
     and SIGINT un-ignored when the test process started with it ignored, as a background job
-    of a script does)."""
+    of a script does; ``cli.common.hold_signals``: a run that stopped holds both)."""
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     yield
     for sig, handler in before.items():
@@ -102,7 +102,9 @@ def _signal_handlers_restored(request):
         cli_sigint = (
             sig == signal.SIGINT and handler == signal.SIG_IGN and now is signal.default_int_handler
         )
-        if "sigterm_as_interrupt" not in getattr(now, "__qualname__", "") and not cli_sigint:
+        on_purpose = ("sigterm_as_interrupt", "hold_signals")  # cli.common's, see above
+        qualname = getattr(now, "__qualname__", "")
+        if not any(name in qualname for name in on_purpose) and not cli_sigint:
             warnings.warn(
                 f"{request.node.nodeid} left the {signal.Signals(sig).name} handler changed "
                 f"({now!r}; was {handler!r}): restored",

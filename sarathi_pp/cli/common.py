@@ -163,6 +163,20 @@ def sigterm_as_interrupt() -> None:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def hold_signals() -> None:
+    """From here on SIGTERM and Ctrl-C are only recorded (``received_signal``), not raised: a
+    run that is already stopping flushes its records and prints its last line whole. Without
+    it, torchrun's agent, which terminates the other ranks when one rank fails, could cut the
+    surviving rank's error line short with a ``KeyboardInterrupt`` mid-print."""
+
+    def record(signum: int, frame: Any) -> None:
+        _received[:] = [signum]
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, record)
+        signal.signal(signal.SIGINT, record)
+
+
 def received_signal() -> int | None:
     """SIGTERM if ``sigterm_as_interrupt``'s handler ran, else ``None``."""
     return _received[-1] if _received else None

@@ -19,6 +19,7 @@ from sarathi_pp.cli.common import (
     PROG,
     add_engine_args,
     config_from_args,
+    hold_signals,
     received_signal,
     user_errors,
 )
@@ -247,7 +248,9 @@ def write_atomically(path: str, records: list[dict[str, Any]]) -> None:
 
 
 def stopped(error: BaseException, llm: Any, sink: FinishedSink | None, num_prompts: int) -> int:
-    """A run that could not finish: records flushed, what finished kept, a clear line."""
+    """A run that could not finish: records flushed, what finished kept, a clear line (a
+    further SIGTERM or Ctrl-C meanwhile is held, not raised)."""
+    hold_signals()
     try:
         llm.engine.write_run_records()
     except Exception as e:  # noqa: BLE001 - the finished outputs matter more

@@ -209,3 +209,23 @@ def test_python_dash_m(module):
     assert (
         proc.stderr == "sarathi-pp: error: no prompts: give --prompt TEXT or --prompts-file FILE\n"
     )
+
+
+def test_a_run_that_is_stopping_holds_further_signals():
+    """``hold_signals`` (what ``generate`` does once it is stopping): a SIGTERM or Ctrl-C is
+    recorded, not raised, so the run's last line and records are written whole (torchrun
+    terminates the other ranks when one rank fails; that used to cut rank 0's error line
+    short)."""
+    import signal
+
+    from sarathi_pp.cli import common
+
+    saved = list(common._received)
+    try:
+        common.hold_signals()
+        signal.raise_signal(signal.SIGTERM)  # would raise KeyboardInterrupt via the CLI's handler
+        assert common.received_signal() == signal.SIGTERM
+        signal.raise_signal(signal.SIGINT)
+        assert common.received_signal() == signal.SIGINT
+    finally:
+        common._received[:] = saved
