@@ -192,6 +192,7 @@ static void panel(const float *x, int64_t M, int64_t K, const float *wp, float *
 int panel_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, float *y,
                    int num_threads) {
     const int64_t panels = N / NR, kc = M < 128 ? KC : K;
+    if (M == 0) return 0;  /* (malloc(0) may return NULL) */
 #if defined(__AVX512F__)
     float *xp = malloc(sizeof(float) * (size_t)(M * K));
     if (xp == NULL) return 1;

@@ -44,6 +44,12 @@ def test_many_rows_take_the_chunked_path_and_stay_exact(kind):
     torch.testing.assert_close(Linear(w, b, kind=kind)(x), F.linear(x, w, b), atol=2e-3, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", AVAILABLE)
+def test_no_rows_give_no_rows(kind):
+    y = Linear(torch.randn(1024, 300), kind=kind)(torch.randn(0, 300))
+    assert y.shape == (0, 1024)
+
+
 def test_the_choice_follows_the_weight_and_the_switches(monkeypatch):
     w = torch.randn(1024, 256)
     flags = cpu_kernels.cpu_flags()
