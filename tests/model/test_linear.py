@@ -1,9 +1,10 @@
 """The decoder's ``Linear``: every kind that runs here (``panel_gemm``: our packed C kernel;
 ``onednn``: oneDNN with a prepacked weight; ``f_linear``) gives F.linear's values (to float32
-rounding) for 1 to 600 rows (row blocks of 6 (AVX2) or 16 (AVX-512) and their remainders, the
-K-sliced path below 128 rows and the unsliced one above), with a bias, a K that is no multiple of the slice, a
-non-contiguous and a 3-D input; the choice between them follows the weight, the CPU and the
-switches."""
+rounding) for 0 to 1000 rows (row blocks of 6 (AVX2) or 16 (AVX-512) and their remainders, the
+K-sliced path below 128 rows, the unsliced one above and the row-chunked one for many rows),
+with a bias, a K that is no multiple of the slice, a non-contiguous and a 3-D input; on an
+AVX-512 CPU the kernel's AVX2 build too; the choice between them follows the weight, the CPU
+and the switches."""
 
 from __future__ import annotations
 
@@ -17,23 +18,43 @@ from sarathi_pp.stages import cpu_kernels
 from sarathi_pp.stages.linear import Linear, available_kinds, choose_kind, load_gemm
 
 AVAILABLE = available_kinds()
+# ``panel_gemm`` has two micro-kernels, chosen when it is built (``-march=native``). On an
+# AVX-512 CPU its AVX2 one is built too (``-mno-avx512f``) and runs through the kind tests
+# below as one more kind, so both are checked wherever AVX-512 runs (an AVX2-only CPU has
+# only the AVX2 one, as ``panel_gemm``).
+AVX2_BUILD = "panel_gemm-avx2"
+KINDS_HERE = AVAILABLE + (
+    [AVX2_BUILD] if "avx512f" in cpu_kernels.cpu_flags() and "panel_gemm" in AVAILABLE else []
+)
 
 
-@pytest.mark.parametrize("kind", AVAILABLE)
+def make_linear(w: torch.Tensor, b: torch.Tensor | None, kind: str) -> Linear:
+    """``Linear(w, b, kind=kind)``; for ``AVX2_BUILD`` a ``panel_gemm`` one that calls the
+    AVX2 build of the kernel."""
+    if kind != AVX2_BUILD:
+        return Linear(w, b, kind=kind)
+    lin = Linear(w, b, kind="panel_gemm")
+    avx2 = load_gemm(("-mno-avx512f",))
+    assert avx2 is not None and avx2 is not load_gemm()
+    lin._gemm = avx2
+    return lin
+
+
+@pytest.mark.parametrize("kind", KINDS_HERE)
 @pytest.mark.parametrize("rows", [1, 3, 5, 6, 7, 13, 16, 17, 33, 64, 127, 128, 600])
 def test_every_kind_equals_f_linear(kind, rows):
     torch.manual_seed(rows)
     w, b = torch.randn(1024, 300), torch.randn(1024)  # K = 300: slices of 256 and a tail of 44
     x = torch.randn(300, rows).t()  # [rows, 300], non-contiguous
-    lin = Linear(w, b, kind=kind)
-    assert lin.kind == kind and lin.is_packed == (kind != "f_linear")
+    lin = make_linear(w, b, kind)
+    assert lin.kind == kind.removesuffix("-avx2") and lin.is_packed == (kind != "f_linear")
     torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
     x3 = torch.randn(2, rows, 300)
     torch.testing.assert_close(lin(x3), F.linear(x3, w, b), atol=1e-4, rtol=1e-5)
     assert lin.nbytes == w.numel() * 4
 
 
-@pytest.mark.parametrize("kind", AVAILABLE)
+@pytest.mark.parametrize("kind", KINDS_HERE)
 def test_many_rows_take_the_chunked_path_and_stay_exact(kind):
     """1000 rows x 1100 in (x above 2^20 floats): ``panel_gemm`` goes by chunks of 128 rows
     and K slices of 512, here with a 104-row last chunk (a tail block of 8) and a 76-wide
@@ -41,12 +62,12 @@ def test_many_rows_take_the_chunked_path_and_stay_exact(kind):
     torch.manual_seed(1)
     w, b = torch.randn(256, 1100), torch.randn(256)
     x = torch.randn(1000, 1100)
-    torch.testing.assert_close(Linear(w, b, kind=kind)(x), F.linear(x, w, b), atol=2e-3, rtol=1e-4)
+    torch.testing.assert_close(make_linear(w, b, kind)(x), F.linear(x, w, b), atol=2e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", AVAILABLE)
+@pytest.mark.parametrize("kind", KINDS_HERE)
 def test_no_rows_give_no_rows(kind):
-    y = Linear(torch.randn(1024, 300), kind=kind)(torch.randn(0, 300))
+    y = make_linear(torch.randn(1024, 300), None, kind)(torch.randn(0, 300))
     assert y.shape == (0, 1024)
 
 
@@ -88,35 +109,11 @@ def test_the_gemm_kernel_builds_wherever_it_should():
     assert load_gemm() is not None or not wanted
 
 
-def test_the_avx2_micro_kernel_on_an_avx512_cpu_equals_f_linear():
-    """``panel_gemm`` has two micro-kernels, chosen when it is built (``-march=native``): on an
-    AVX-512 CPU the AVX2 one is built with ``-mno-avx512f`` and checked here, so both are
-    checked wherever AVX-512 runs (an AVX2-only CPU runs only the AVX2 one, in the test
-    above)."""
-    flags = cpu_kernels.cpu_flags()
-    if "avx512f" not in flags or load_gemm() is None:
-        pytest.skip("no AVX-512 build here: the kind tests above run the AVX2 micro-kernel")
-    avx2 = load_gemm(("-mno-avx512f",))
-    assert avx2 is not None and avx2 is not load_gemm()
-    torch.manual_seed(0)
-    w, b = torch.randn(1024, 300), torch.randn(1024)
-    lin = Linear(w, b, kind="panel_gemm")
-    lin._gemm = avx2
-    for rows in [1, 5, 6, 7, 13, 16, 17, 127, 128, 600]:
-        x = torch.randn(rows, 300)
-        torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
-    wb = torch.randn(256, 1100)  # the chunked path (x above 2^20 floats), as below
-    big = Linear(wb, kind="panel_gemm")
-    big._gemm = avx2
-    x = torch.randn(1000, 1100)
-    torch.testing.assert_close(big(x), F.linear(x, wb), atol=2e-3, rtol=1e-4)
-
-
-@pytest.mark.parametrize("kind", AVAILABLE)
+@pytest.mark.parametrize("kind", KINDS_HERE)
 def test_a_float64_default_dtype_changes_nothing(kind):
     w = torch.randn(1024, 256)
     x = torch.randn(5, 256)
-    lin = Linear(w, kind=kind)
+    lin = make_linear(w, None, kind)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
