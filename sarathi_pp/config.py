@@ -87,6 +87,12 @@ class CacheConfig:
     """On CPU, the memory M_G one stage may use for parameters + KV cache."""
     gpu_memory_utilization: float = 0.9
     """On CUDA, the fraction of device memory one stage may use (M_G), as in vLLM."""
+    prefault: bool = False
+    """On CPU, map every page of the KV cache at start-up instead of as blocks are first
+    written: the memory is committed (a cache the machine cannot hold fails before any
+    request) and no step pays a first touch (costly in VMs whose host backs memory on
+    demand: Note [KV cache prefault]). Start-up takes longer by the cache's size over the
+    page-fault rate. CUDA caches are always committed."""
 
     def __post_init__(self) -> None:
         _check_opt_int("block_size", self.block_size, 1)
@@ -97,6 +103,8 @@ class CacheConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
+        if not isinstance(self.prefault, bool):
+            raise ValueError(f"prefault must be true or false, got {self.prefault!r}")
 
 
 @dataclass(frozen=True)
@@ -302,6 +310,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "num_kv_blocks": ("cache", "num_kv_blocks"),
     "cpu_memory_budget": ("cache", "cpu_memory_budget"),
     "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
+    "prefault_kv_cache": ("cache", "prefault"),
     "scheduler": ("scheduler", "policy"),
     "chunk_size": ("scheduler", "chunk_size"),
     "min_chunk_size": ("scheduler", "min_chunk_size"),

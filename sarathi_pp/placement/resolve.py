@@ -58,6 +58,7 @@ class Placement:
     layer_ranges: tuple[tuple[int, int], ...]  # [layer_start, layer_end) per stage
     schedule_ahead: bool = False  # parallel.schedule_ahead resolved (the token ring)
     schedule_ahead_source: str = "parallel.schedule_ahead"  # why, for reports
+    prefault: bool = False  # cache.prefault: map the whole KV cache at start-up
 
     @property
     def num_stages(self) -> int:
@@ -77,7 +78,7 @@ def resolve_placement(config: EngineConfig, spec: ModelSpec, resources: Resource
     ahead, ahead_source = resolve_schedule_ahead(config, device, threads, resources)
     return Placement(
         device, dtype, threads, threads_source, memory, memory_source, block_size, ranges,
-        ahead, ahead_source,
+        ahead, ahead_source, config.cache.prefault,
     )  # fmt: skip
 
 

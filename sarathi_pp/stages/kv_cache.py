@@ -7,10 +7,20 @@ Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
 import math
+import mmap
+import sys
+import time
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
+
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault a range in, writable, without writing it
 
 
 class KVCache:
@@ -23,12 +33,26 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        prefault: bool = False,
     ) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.prefault_s: float | None = None  # seconds ``prefault`` took; None: not done
+        if prefault and torch.device(device).type == "cpu":
+            t0 = time.perf_counter()
+            for t in self.k + self.v:
+                populate(t)
+            self.prefault_s = time.perf_counter() - t0
+            log.info(
+                "KV cache: %d blocks, %.2f GiB committed in %.1f s (cache.prefault)",
+                num_blocks, self.nbytes() / 2**30, self.prefault_s,
+            )  # fmt: skip
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def flat(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as ``[num_slots, num_kv_heads, head_dim]`` views."""
@@ -51,3 +75,64 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def populate(t: torch.Tensor) -> None:
+    """Map every page of CPU tensor ``t`` now (``cache.prefault``), keeping its contents.
+
+    Note [KV cache prefault]: by default the cache's pages are mapped as the blocks are first
+    written (``_zeros``), and that first write is paid inside the steps. On bare metal it
+    is small (~0.5 us per 4 KB page), but in a VM whose host backs guest memory on demand,
+    such as this project's CI machines (Firecracker, free page reporting), a first touch
+    costs 20-40 us per 4 KB page: 0.1-0.4 GB/s. On the mixed workload of
+    ``benchmarks/vs_hf.py`` the prompts write ~0.3 GB of K/V, and ``write_kv`` took 2.7 s of
+    a 28 s run there, 10% of it (README, issue 15's sixth round). Prefaulting moves that cost
+    to start-up and commits the memory there, so a cache the machine cannot hold fails
+    before any request is taken instead of ending in an out-of-memory kill mid-run.
+
+    ``madvise(MADV_POPULATE_WRITE)`` where Linux has it (5.14+): it reports ENOMEM rather
+    than letting the OOM killer decide. Elsewhere every page is written (zeros: the values
+    stay) as the fallback."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return
+    if _madvise_populate(t.data_ptr(), nbytes):
+        return
+    t.view(-1)[:: max(1, mmap.PAGESIZE // t.element_size())] = 0
+
+
+def _madvise_populate(addr: int, nbytes: int) -> bool:
+    """``MADV_POPULATE_WRITE`` over the pages holding ``[addr, addr + nbytes)``; False where
+    the kernel or platform lacks it. ``MemoryError`` with the size when memory runs out."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = _libc()
+    if libc is None:
+        return False
+    page = mmap.PAGESIZE
+    start = addr - addr % page
+    length = -(-(addr + nbytes - start) // page) * page
+    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_POPULATE_WRITE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (12, 14):  # ENOMEM, EFAULT (no memory behind part of the range)
+        raise MemoryError(
+            f"cache.prefault: could not commit {nbytes} bytes ({nbytes / 2**30:.2f} GiB) of KV "
+            f"cache on this machine (errno {err}): lower cache.cpu_memory_budget, "
+            "kv_cache_memory or num_kv_blocks"
+        )
+    return False  # EINVAL: a kernel before 5.14
+
+
+_LIBC: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL | None:
+    global _LIBC
+    if _LIBC is None:
+        name = ctypes.util.find_library("c")
+        if name is None:
+            return None
+        _LIBC = ctypes.CDLL(name, use_errno=True)
+        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return _LIBC

@@ -38,6 +38,7 @@ class StageSpec:
     memory_bytes: int  # M_G: what the stage may use for parameters + KV cache
     num_threads: int | None = None  # CPU intra-op threads; None: torch's default
     token_ring: bool = False  # scheduling ahead: stage 0 and the last stage hold the ring
+    prefault: bool = False  # cache.prefault: map the whole KV cache at start-up
 
     @classmethod
     def of(cls, placement: Placement, stage_idx: int, device: str | None = None) -> StageSpec:
@@ -46,7 +47,7 @@ class StageSpec:
         return cls(
             stage_idx, placement.num_stages, start, end, placement.dtype,
             device or placement.device, placement.memory_bytes, placement.num_threads,
-            placement.schedule_ahead,
+            placement.schedule_ahead, placement.prefault,
         )  # fmt: skip
 
     @property
@@ -106,6 +107,7 @@ class StageWorker:
             s.head_dim,
             self.dtype,
             self.device,
+            prefault=self.stage.prefault,
         )
         self.block_size = block_size
         self.backend = select_backend(self.device, block_size, self.dtype)

@@ -7,12 +7,15 @@ replacement allocator must keep both properties: one layer of 32 x 1k decode att
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from sarathi_pp.stages import kv_cache
 from sarathi_pp.stages.kv_cache import KVCache
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -69,3 +72,65 @@ def test_cpu_cache_costs_memory_as_blocks_are_written():
     grown_mib = rss_mib() - before
     assert grown_mib < 64, grown_mib
     assert float(k[:16].sum()) == 16 * 4 * 64 and float(v.abs().max()) == 0.0
+
+
+def mapped_mib(t: torch.Tensor) -> float:
+    """Resident MiB of the mapping that holds tensor ``t`` (its pages actually mapped)."""
+    rss = smaps_field(t.data_ptr() + t.numel() * t.element_size() // 2, "Rss")
+    assert rss is not None and rss.endswith("kB"), rss
+    return int(rss.split()[0]) / 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+@pytest.mark.parametrize("how", ["madvise", "writes"])
+def test_prefault_maps_every_page_and_keeps_the_zeros(how, monkeypatch):
+    """``cache.prefault``: the whole cache is resident before any block is written, by
+    ``MADV_POPULATE_WRITE`` or, where the kernel lacks it, by writing every page."""
+    if how == "writes":
+        monkeypatch.setattr(kv_cache, "_madvise_populate", lambda addr, nbytes: False)
+    lazy = KVCache(1, 2048, 16, 4, 64, torch.float32, torch.device("cpu"))  # 32 MiB per K
+    cache = KVCache(1, 2048, 16, 4, 64, torch.float32, torch.device("cpu"), prefault=True)
+    assert mapped_mib(lazy.k[0]) < 8
+    for t in (cache.k[0], cache.v[0]):
+        assert mapped_mib(t) > 31.9, mapped_mib(t)  # the mapping may split off a page
+        assert torch.count_nonzero(t) == 0
+    assert cache.nbytes() == 2 * (32 << 20)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_prefault_that_cannot_map_names_the_size():
+    """The kernel's ENOMEM becomes a ``MemoryError`` naming the bytes and the settings to
+    lower (here: a range with nothing mapped behind it, which madvise reports the same way
+    as memory that cannot be had)."""
+    region = mmap.mmap(-1, 1 << 20)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    region.close()  # unmapped now: the addresses stay, the pages are gone
+    try:
+        ok = kv_cache._madvise_populate(addr, 1 << 20)
+    except MemoryError as e:
+        assert "1048576 bytes" in str(e) and "cpu_memory_budget" in str(e)
+    else:
+        assert not ok, "an unmapped range was populated"
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+
+
+def test_prefault_through_the_engine_maps_the_cache_and_changes_no_output(llama_dir):
+    """``prefault_kv_cache`` reaches the stage's cache. 20000 blocks = 39 MiB per K of the
+    tiny model: above glibc's largest mmap threshold (32 MiB), so each tensor is a mapping
+    of its own whose resident size is its own pages."""
+    from sarathi_pp import LLM, SamplingParams
+
+    prompts = [[5, 9, 13, 2, 7] * 6, [11, 3] * 20]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = {}
+    for prefault in (False, True):
+        llm = LLM(
+            str(llama_dir), max_model_len=128, num_kv_blocks=20000, prefault_kv_cache=prefault
+        )
+        try:
+            kv = llm.engine.executor.worker.kv
+            assert (mapped_mib(kv.k[0]) > 0.99 * kv.k[0].numel() * 4 / 2**20) == prefault
+            outs[prefault] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        finally:
+            llm.shutdown()
+    assert outs[True] == outs[False] and len(set(map(tuple, outs[True]))) == 2

@@ -93,6 +93,7 @@ def test_unknown_dotted_key_names_it_and_lists_allowed():
         (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization.*0.0"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization.*1.5"),
         (dict(tile_align="yes"), "tile_align.*'yes'"),
+        (dict(prefault_kv_cache="yes"), "prefault must be true or false, got 'yes'"),
         (dict(pipeline_parallel_size=0), "pipeline_parallel_size.*0"),
         (dict(num_microbatches_in_flight=0), "num_microbatches_in_flight.*0"),
         (dict(model=""), "model.*''"),
