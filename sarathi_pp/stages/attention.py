@@ -12,8 +12,8 @@ new K/V of every row is written to its slot in the cache first, so a chunk reads
 keys from the cache like the earlier ones.
 
 Backends, by name (``ATTENTION_BACKENDS``): ``torch`` (SDPA over gathered K/V; CPU and
-CUDA), ``cpu_paged`` (decodes, and on AVX-512 CPUs prefill chunks, read the paged cache in
-place with small C kernels, ``paged_cpu.py``; elsewhere prefill chunks as ``torch``),
+CUDA), ``cpu_paged`` (decodes, and on AVX-512 or AVX2 CPUs prefill chunks, read the paged
+cache in place with small C kernels, ``paged_cpu.py``; elsewhere prefill chunks as ``torch``),
 ``flex_paged`` (decodes the same on CUDA with FlexAttention, ``flex_paged.py``; block size a
 multiple of 16) and ``flash_attn`` (flash-attn's varlen/paged kernels; CUDA, block size a
 multiple of 256).
@@ -196,7 +196,8 @@ class CpuPagedAttention(TorchAttention):
     """``torch``, except that attention reads K/V from the paged cache where they lie:
     decode rows through ``paged_cpu.paged_decode`` instead of gathering every context into
     a buffer first, and prefill chunks through ``paged_cpu.paged_prefill`` where it is built
-    (AVX-512 CPUs; 1.6-2.5x gather + SDPA, Note [paged prefill on CPU]), else gather + SDPA."""
+    (AVX-512 or AVX2 + FMA; 1.6-2.5x gather + SDPA with AVX-512, Note [paged prefill on
+    CPU]), else gather + SDPA."""
 
     name = "cpu_paged"
 

@@ -1,5 +1,5 @@
 """Small C kernels for attention on CPU that read K/V from the paged cache in place: decode
-rows (below) and, on AVX-512 CPUs, prefill chunks (Note [paged prefill on CPU]).
+rows (below) and, on AVX-512 or AVX2 CPUs, prefill chunks (Note [paged prefill on CPU]).
 
 Why (see Note [paged decode on CPU]): the portable path copies every decode's whole context
 out of the paged cache into a contiguous buffer and then runs SDPA over it, so a decode step
@@ -37,15 +37,16 @@ weighed for up to 4 query heads of one KV head at once (each V row loaded once f
 once per head; `weigh_v`): 1.12-1.16x at 16 x 600 and 4 x 600, 1.00-1.01x at 32 x 1k (the
 same comparison, 41 runs each, two runs).
 
-Note [paged prefill on CPU]: a prefill chunk's attention (``paged_prefill_f32``, AVX-512
-builds only) was gather + SDPA: the chunk's context copied out of the cache, then SDPA's
+Note [paged prefill on CPU]: a prefill chunk's attention (``paged_prefill_f32``; AVX-512 or
+AVX2 + FMA builds) was gather + SDPA: the chunk's context copied out of the cache, then SDPA's
 fused CPU kernel with a boolean causal mask, 50-80 GFLOP/s on this 2-core EPYC (counting the
 causal half: 4 x n x (start + n / 2) x heads x head_dim). It is a GEMM-shaped problem
 (scores Q K^T, then P V, head_dim 64 deep), so the kernel is the panel GEMM's micro-kernel
 turned to it: a tile is 16 query rows of one KV head (row i = token i / G, query head i % G
 of the G sharing the KV head, so GQA reads each key once for all G), on the 16 lanes of a
-register, Q packed transposed and pre-scaled. Per 16 keys (one block of 16, read in place;
-other block sizes copy the 16 rows out first): 16 accumulators of scores (each key row
+register, Q packed transposed and pre-scaled (AVX2: 8 rows and 8 keys, as 16 ymm registers
+allow). Per 16 keys (one block of 16, read in place; block sizes that are no multiple of 16
+copy the 16 rows out first): 16 accumulators of scores (each key row
 broadcast from the cache against Q's packed column), the causal mask as lane masks where a
 key passes a row's position, an online softmax in registers (the maximum and sum per lane,
 exp on 16 lanes with ``exp_f``'s polynomial), and the output, transposed in L1, rescaled and
@@ -53,7 +54,9 @@ updated by 16 broadcast V rows. Tiles go to threads longest first (the chunk's l
 the most keys). Against gather + SDPA in one process, 16 heads, 4 KV heads, head_dim 64,
 shuffled blocks of 16, 2 threads (2026-12-02): 256 rows at start 0 / 256 / 512 / 768:
 2.54 / 5.45 / 9.63 / 12.25 ms -> 1.03 / 2.95 / 4.62 / 6.51 ms (130-145 GFLOP/s, 1.85-2.47x);
-128 rows at 1024: 1.95x; block sizes 1 and 5 (copied out): 1.54-1.58x. In
+128 rows at 1024: 1.95x; block sizes 1 and 5 (copied out): 1.54-1.58x. The AVX2 build on
+the same CPU (``-mno-avx512f``, another run): 73-87 GFLOP/s against AVX-512's 102-133 and
+SDPA's 40-70. In
 ``benchmarks/vs_hf.py`` the chunks' attention went from 3.87 s to 1.93 s of the run.
 """
 
@@ -64,7 +67,7 @@ from functools import cache
 
 import torch
 
-from sarathi_pp.stages.cpu_kernels import C_EXP, build_unless_off
+from sarathi_pp.stages.cpu_kernels import C_EXP, build, build_unless_off
 
 _SOURCE = (
     C_EXP
@@ -335,33 +338,78 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int64
 }
 
 /* ---- prefill chunks: causal attention over the whole context, read in place ----------------
-   See Note [paged prefill on CPU]. AVX-512 only (16 query rows on the lanes of one register,
-   16 keys in 16 accumulators); elsewhere paged_prefill_supported() says 0 and the chunk takes
-   gather + SDPA. */
-#if defined(__AVX512F__)
+   See Note [paged prefill on CPU]. A tile is PF_L query rows on the lanes of one register
+   against PF_L keys in PF_L accumulators: 16 with AVX-512, 8 with AVX2 + FMA (16 ymm
+   registers). Elsewhere paged_prefill_supported() says 0 and chunks take gather + SDPA. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #include <string.h>
-#define PF_ROWS 16  /* query rows per tile: one lane each */
-#define PF_KEYS 16  /* keys per step: one accumulator each */
+#if defined(__AVX512F__)
+#define PF_L 16
+typedef __m512 vf;
+typedef __mmask16 vmask;
+#define V_SET1 _mm512_set1_ps
+#define V_ZERO _mm512_setzero_ps
+#define V_LOAD _mm512_load_ps
+#define V_LOADU _mm512_loadu_ps
+#define V_STORE _mm512_store_ps
+#define V_STOREU _mm512_storeu_ps
+#define V_FMA _mm512_fmadd_ps
+#define V_FNMA _mm512_fnmadd_ps
+#define V_MUL _mm512_mul_ps
+#define V_ADD _mm512_add_ps
+#define V_SUB _mm512_sub_ps
+#define V_MAX _mm512_max_ps
+#define V_MIN _mm512_min_ps
+#define V_DIV _mm512_div_ps
+static inline vf v_round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf v_pow2i(vf n) {  /* 2^n for integral n in [-126, 127] */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+static inline vmask v_all(void) { return (vmask)0xFFFF; }
+static inline vmask v_le(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+static inline vf v_mask_max(vf a, vmask k, vf b) { return _mm512_mask_max_ps(a, k, a, b); }
+static inline vf v_maskz(vmask k, vf a) { return _mm512_maskz_mov_ps(k, a); }
+#else
+#define PF_L 8
+typedef __m256 vf;
+typedef __m256 vmask;
+#define V_SET1 _mm256_set1_ps
+#define V_ZERO _mm256_setzero_ps
+#define V_LOAD _mm256_load_ps
+#define V_LOADU _mm256_loadu_ps
+#define V_STORE _mm256_store_ps
+#define V_STOREU _mm256_storeu_ps
+#define V_FMA _mm256_fmadd_ps
+#define V_FNMA _mm256_fnmadd_ps
+#define V_MUL _mm256_mul_ps
+#define V_ADD _mm256_add_ps
+#define V_SUB _mm256_sub_ps
+#define V_MAX _mm256_max_ps
+#define V_MIN _mm256_min_ps
+#define V_DIV _mm256_div_ps
+static inline vf v_round(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf v_pow2i(vf n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline vmask v_all(void) { return _mm256_castsi256_ps(_mm256_set1_epi32(-1)); }
+static inline vmask v_le(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
+static inline vf v_mask_max(vf a, vmask k, vf b) { return _mm256_max_ps(a, _mm256_blendv_ps(a, b, k)); }
+static inline vf v_maskz(vmask k, vf a) { return _mm256_and_ps(k, a); }
+#endif
 
-/* exp_f's arithmetic on 16 lanes: the same clamp, reduction and polynomial. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_add_ps(_mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x),
-                                   _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+/* exp_f's arithmetic on every lane: the same clamp, reduction and polynomial. */
+static inline vf v_exp(vf x) {
+    x = V_MIN(V_MAX(x, V_SET1(-87.0f)), V_SET1(88.0f));
+    const vf n = v_round(V_MUL(x, V_SET1(1.44269504088896341f)));
+    const vf r = V_ADD(V_FNMA(n, V_SET1(0.693359375f), x), V_MUL(n, V_SET1(2.12194440e-4f)));
+    vf p = V_SET1(1.9875691500e-4f);
+    p = V_FMA(p, r, V_SET1(1.3981999507e-3f));
+    p = V_FMA(p, r, V_SET1(8.3334519073e-3f));
+    p = V_FMA(p, r, V_SET1(4.1665795894e-2f));
+    p = V_FMA(p, r, V_SET1(1.6666665459e-1f));
+    p = V_FMA(p, r, V_SET1(5.0000001201e-1f));
+    return V_MUL(V_ADD(V_FMA(V_MUL(p, r), r, r), V_SET1(1.0f)), v_pow2i(n));
 }
 
 typedef struct {
@@ -373,36 +421,36 @@ typedef struct {
     float scale;
 } pf_job_t;
 
-/* One tile: query rows i0 .. i0 + 15 of KV head g, where row i is the chunk's token i / G and
-   query head g * G + i % G (G = heads / kv_heads: a KV head's query heads share its keys).
-   Q is packed transposed and scaled, qt[d][lane]; the output accumulates transposed in
+/* One tile: query rows i0 .. i0 + PF_L - 1 of KV head g, where row i is the chunk's token
+   i / G and query head g * G + i % G (G = heads / kv_heads: a KV head's query heads share its
+   keys). Q is packed transposed and scaled, qt[d][lane]; the output accumulates transposed in
    ot[d][lane] (both in L1) with a running maximum m and sum l per lane (online softmax). */
 static void pf_tile(const pf_job_t *j, int g, int i0, float *qt, float *ot, float *kbuf,
                     float *vbuf) {
     const int D = j->head_dim, G = j->heads / j->kv_heads, bs = j->block_size;
     const int rows = j->n * G;
-    float posf[PF_ROWS];
-    for (int l = 0; l < PF_ROWS; l++) {
+    float posf[PF_L];
+    for (int l = 0; l < PF_L; l++) {
         const int i = i0 + l < rows ? i0 + l : rows - 1;  /* padding lanes repeat the last row */
         posf[l] = (float)(j->start + i / G);
         const float *qr = j->q + (int64_t)(i / G) * j->q_row + (int64_t)(g * G + i % G) * D;
-        for (int d = 0; d < D; d++) qt[d * PF_ROWS + l] = qr[d] * j->scale;
+        for (int d = 0; d < D; d++) qt[d * PF_L + l] = qr[d] * j->scale;
     }
-    memset(ot, 0, sizeof(float) * (size_t)D * PF_ROWS);
-    const __m512 pos = _mm512_loadu_ps(posf);
-    const int first = (int)posf[0], last = (int)posf[PF_ROWS - 1];  /* rows ascend */
+    memset(ot, 0, sizeof(float) * (size_t)D * PF_L);
+    const vf pos = V_LOADU(posf);
+    const int first = (int)posf[0], last = (int)posf[PF_L - 1];  /* rows ascend */
     const int64_t row = (int64_t)j->kv_heads * D;  /* floats between consecutive slots */
-    __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
-    for (int p0 = 0; p0 <= last; p0 += PF_KEYS) {
+    vf m = V_SET1(-INFINITY), l = V_ZERO();
+    for (int p0 = 0; p0 <= last; p0 += PF_L) {
         const float *kb, *vb;
         int64_t stride;
-        if (bs % PF_KEYS == 0) {  /* the PF_KEYS keys lie in one block, one slot apart */
+        if (bs % PF_L == 0) {  /* the PF_L keys lie in one block, one slot apart */
             const int64_t slot = j->blocks[p0 / bs] * bs + p0 % bs;
             kb = j->k + slot * row + (int64_t)g * D;
             vb = j->v + slot * row + (int64_t)g * D;
             stride = row;
         } else {  /* other block sizes: copy them out (a key past `last` reads key 0, masked) */
-            for (int t = 0; t < PF_KEYS; t++) {
+            for (int t = 0; t < PF_L; t++) {
                 const int p = p0 + t <= last ? p0 + t : 0;
                 const int64_t slot = j->blocks[p / bs] * bs + p % bs;
                 memcpy(kbuf + t * D, j->k + slot * row + (int64_t)g * D, sizeof(float) * D);
@@ -410,63 +458,61 @@ static void pf_tile(const pf_job_t *j, int g, int i0, float *qt, float *ot, floa
             }
             kb = kbuf, vb = vbuf, stride = D;
         }
-        __m512 s[PF_KEYS];  /* s[t][lane] = q(lane) . k(p0 + t) */
-        for (int t = 0; t < PF_KEYS; t++) s[t] = _mm512_setzero_ps();
+        vf s[PF_L];  /* s[t][lane] = q(lane) . k(p0 + t) */
+        for (int t = 0; t < PF_L; t++) s[t] = V_ZERO();
         for (int d = 0; d < D; d++) {
-            const __m512 qd = _mm512_load_ps(qt + d * PF_ROWS);
-            for (int t = 0; t < PF_KEYS; t++)
-                s[t] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kb[t * stride + d]), s[t]);
+            const vf qd = V_LOAD(qt + d * PF_L);
+            for (int t = 0; t < PF_L; t++) s[t] = V_FMA(qd, V_SET1(kb[t * stride + d]), s[t]);
         }
-        const int causal = p0 + PF_KEYS - 1 > first;  /* some key after some row's position */
-        __mmask16 keep[PF_KEYS];
-        __m512 bm = _mm512_set1_ps(-INFINITY);
-        for (int t = 0; t < PF_KEYS; t++) {
-            keep[t] = causal ? _mm512_cmp_ps_mask(_mm512_set1_ps((float)(p0 + t)), pos, _CMP_LE_OQ)
-                             : (__mmask16)0xFFFF;
-            bm = _mm512_mask_max_ps(bm, keep[t], bm, s[t]);
+        const int causal = p0 + PF_L - 1 > first;  /* some key after some row's position */
+        vmask keep[PF_L];
+        vf bm = V_SET1(-INFINITY);
+        for (int t = 0; t < PF_L; t++) {
+            keep[t] = causal ? v_le(V_SET1((float)(p0 + t)), pos) : v_all();
+            bm = v_mask_max(bm, keep[t], s[t]);
         }
-        const __m512 mn = _mm512_max_ps(m, bm);  /* finite: key 0 is in every row's context */
-        const __m512 alpha = exp16(_mm512_sub_ps(m, mn));
-        __m512 sum = _mm512_setzero_ps();
-        for (int t = 0; t < PF_KEYS; t++) {
-            s[t] = _mm512_maskz_mov_ps(keep[t], exp16(_mm512_sub_ps(s[t], mn)));
-            sum = _mm512_add_ps(sum, s[t]);
+        const vf mn = V_MAX(m, bm);  /* finite: key 0 is in every row's context */
+        const vf alpha = v_exp(V_SUB(m, mn));
+        vf sum = V_ZERO();
+        for (int t = 0; t < PF_L; t++) {
+            s[t] = v_maskz(keep[t], v_exp(V_SUB(s[t], mn)));
+            sum = V_ADD(sum, s[t]);
         }
-        l = _mm512_fmadd_ps(l, alpha, sum);
+        l = V_FMA(l, alpha, sum);
         m = mn;
         for (int d = 0; d < D; d++) {
-            __m512 o = _mm512_mul_ps(_mm512_load_ps(ot + d * PF_ROWS), alpha);
-            for (int t = 0; t < PF_KEYS; t++)
-                o = _mm512_fmadd_ps(s[t], _mm512_set1_ps(vb[t * stride + d]), o);
-            _mm512_store_ps(ot + d * PF_ROWS, o);
+            vf o = V_MUL(V_LOAD(ot + d * PF_L), alpha);
+            for (int t = 0; t < PF_L; t++) o = V_FMA(s[t], V_SET1(vb[t * stride + d]), o);
+            V_STORE(ot + d * PF_L, o);
         }
     }
-    float inv[PF_ROWS];
-    _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
-    for (int r = 0; r < PF_ROWS && i0 + r < rows; r++) {
+    float inv[PF_L];
+    V_STOREU(inv, V_DIV(V_SET1(1.0f), l));
+    for (int r = 0; r < PF_L && i0 + r < rows; r++) {
         const int i = i0 + r;
         float *o = j->out + (int64_t)(i / G) * j->out_row + (int64_t)(g * G + i % G) * D;
-        for (int d = 0; d < D; d++) o[d] = ot[d * PF_ROWS + r] * inv[r];
+        for (int d = 0; d < D; d++) o[d] = ot[d * PF_L + r] * inv[r];
     }
 }
 
 static void *pf_worker(void *arg) {
     pf_job_t *j = (pf_job_t *)arg;
     const size_t D = (size_t)j->head_dim;
-    float *buf = aligned_alloc(64, sizeof(float) * D * (2 * PF_ROWS + 2 * PF_KEYS));
+    float *buf = aligned_alloc(64, sizeof(float) * D * 4 * PF_L);
     if (buf == NULL) return (void *)1;
     for (;;) {
         const int it = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (it >= j->tiles * j->kv_heads) break;
         const int tile = j->tiles - 1 - it / j->kv_heads;  /* the longest (last rows') first */
-        pf_tile(j, it % j->kv_heads, tile * PF_ROWS, buf, buf + D * PF_ROWS,
-                buf + 2 * D * PF_ROWS, buf + 2 * D * PF_ROWS + D * PF_KEYS);
+        pf_tile(j, it % j->kv_heads, tile * PF_L, buf, buf + D * PF_L, buf + 2 * D * PF_L,
+                buf + 3 * D * PF_L);
     }
     free(buf);
     return NULL;
 }
 
-int paged_prefill_supported(void) { return 1; }
+/* Query rows per tile: 16 (AVX-512), 8 (AVX2); 0 where the kernel is not built. */
+int paged_prefill_supported(void) { return PF_L; }
 
 /* Causal attention of one prefill chunk, tokens at positions start .. start + n - 1, over keys
    0 .. start + n - 1 read from the paged cache where they lie (the chunk's own K/V already
@@ -476,7 +522,7 @@ int paged_prefill_f32(const float *q, int64_t q_row, const float *k, const float
                       const int64_t *blocks, float *out, int64_t out_row, int n, int start,
                       int heads, int kv_heads, int head_dim, int block_size, float scale,
                       int num_threads) {
-    const int tiles = (n * (heads / kv_heads) + PF_ROWS - 1) / PF_ROWS;
+    const int tiles = (n * (heads / kv_heads) + PF_L - 1) / PF_L;
     pf_job_t j = {q, k, v, blocks, out, q_row, out_row, n, start, heads, kv_heads, head_dim,
                   block_size, tiles, 0, scale};
     const int64_t work = (int64_t)n * heads * head_dim * (start + n);  /* multiply-adds, x2 */
@@ -519,19 +565,36 @@ def load_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32]
     fn.restype = i32
-    if lib.paged_prefill_supported():
-        _prefill = lib.paged_prefill_f32
-        _prefill.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32, i32, i32]
-        _prefill.argtypes += [ctypes.c_float, i32]
-        _prefill.restype = i32
+    _prefill = _prefill_of(lib)
+    return fn
+
+
+def _prefill_of(lib: ctypes.CDLL) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """``lib``'s ``paged_prefill_f32`` with its signature, or None where it was built
+    without AVX-512 or AVX2 + FMA."""
+    if not lib.paged_prefill_supported():
+        return None
+    fn = lib.paged_prefill_f32
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i32, i32, i32, i32, i32, i32]
+    fn.argtypes += [ctypes.c_float, i32]
+    fn.restype = i32
     return fn
 
 
 def load_prefill() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The compiled ``paged_prefill_f32``, or None: no kernel (``load_kernel``) or a build
-    without AVX-512 (the kernel's only path; such CPUs keep gather + SDPA for chunks)."""
+    """The compiled ``paged_prefill_f32``, or None: no kernel (``load_kernel``) or a CPU
+    with neither AVX-512 nor AVX2 + FMA (chunks then keep gather + SDPA)."""
     load_kernel()
     return _prefill
+
+
+def build_prefill(extra_flags: tuple[str, ...]) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The prefill kernel built with ``extra_flags`` after the usual ones (``-mno-avx512f``:
+    its AVX2 path on an AVX-512 CPU, for tests and benchmarks); None where that build has
+    no vector path. Raises ``cpu_kernels.KernelUnavailable`` when nothing builds."""
+    lib, _ = build("paged_decode", _SOURCE, extra_flags=extra_flags)
+    return _prefill_of(lib)
 
 
 def kernel_threads() -> str:
@@ -584,10 +647,12 @@ def paged_prefill(
     start: int,  # position of the chunk's first token (tokens cached before it)
     block_size: int,
     scale: float,
+    kernel: ctypes._CFuncPtr | None = None,  # type: ignore[name-defined]
 ) -> torch.Tensor:  # [n, heads, head_dim]
     """Causal attention of one prefill chunk over its context (earlier chunks' K/V and its
-    own, already written to the cache), read from the blocks where they lie."""
-    fn = load_prefill()
+    own, already written to the cache), read from the blocks where they lie. ``kernel``: a
+    build of ``build_prefill`` instead of ``load_prefill()``'s."""
+    fn = kernel or load_prefill()
     assert fn is not None, "paged_prefill needs the compiled kernel (load_prefill())"
     n, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]

@@ -1,7 +1,7 @@
 """Decode attention that reads the paged KV cache in place equals SDPA over the same K/V laid
 out contiguously: shuffled (non-contiguous) block tables, a partial last block, GQA, mixed
-context lengths, block sizes 1, 16 and 256; so does prefill-chunk attention (AVX-512 CPUs),
-first and later chunks, block sizes 1, 5, 16 and 256; and a whole hybrid micro-batch through
+context lengths, block sizes 1, 16 and 256; so does prefill-chunk attention (both its AVX-512
+and AVX2 builds), first and later chunks, block sizes 1, 5, 16 and 256; and a whole hybrid micro-batch through
 the ``cpu_paged`` backend equals the ``torch`` backend. Without the kernel the backend falls
 back to ``torch``. The FlexAttention path (CUDA's without flash-attn) checked eagerly."""
 
@@ -116,11 +116,26 @@ def test_fewer_sequences_than_threads_split_their_blocks(block_size, lens):
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
 
 
+def prefill_kernels() -> dict[str, object]:
+    """The prefill kernel builds this CPU runs: its native one (AVX-512 or AVX2 + FMA) and,
+    on an AVX-512 CPU, the AVX2 path too (built with ``-mno-avx512f``), so both are checked
+    wherever AVX-512 runs."""
+    native = paged_cpu.load_prefill()
+    if native is None:
+        return {}
+    kernels = {"native": native}
+    if "avx512f" in cpu_kernels.cpu_flags():
+        kernels["avx2"] = paged_cpu.build_prefill(("-mno-avx512f",))
+    return kernels
+
+
+PREFILL_KERNELS = prefill_kernels()
 needs_prefill_kernel = pytest.mark.skipif(
-    paged_cpu.load_prefill() is None,
-    reason="the prefill kernel is built for AVX-512 CPUs only (this CPU: "
-    f"{'avx512f' if 'avx512f' in cpu_kernels.cpu_flags() else 'no avx512f'}; or no C compiler)",
+    not PREFILL_KERNELS,
+    reason="the prefill kernel needs AVX-512 or AVX2 + FMA and a C compiler (this CPU's "
+    f"flags: {sorted(f for f in cpu_kernels.cpu_flags() if f.startswith(('avx', 'fma')))})",
 )
+each_prefill_kernel = pytest.mark.parametrize("kernel", sorted(PREFILL_KERNELS) or ["none"])
 
 
 def prefill_reference(q, k_cache, v_cache, blocks, start, block_size):
@@ -150,17 +165,22 @@ def prefill_case(start, n, block_size, heads, kv_heads, head_dim, seed=0):
 
 
 @needs_prefill_kernel
+@each_prefill_kernel
 @pytest.mark.parametrize("block_size", [1, 5, 16, 256])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"),
     [(8, 2, 64), (4, 4, 128), (6, 2, 40), (16, 2, 32), (2, 2, 96)],
 )  # GQA 4, MHA, 3 query heads per KV head (tiles cut across tokens) at an odd head_dim, 8, MHA
 @pytest.mark.parametrize(("start", "n"), [(0, 1), (0, 37), (20, 12), (300, 45), (250, 256)])
-def test_paged_prefill_equals_sdpa(block_size, heads, kv_heads, head_dim, start, n):
+def test_paged_prefill_equals_sdpa(kernel, block_size, heads, kv_heads, head_dim, start, n):
     """A chunk (first or later, partial tiles and blocks) over shuffled blocks; block sizes
-    that hold 16 keys a step in place (16, 256) and those copied out first (1, 5)."""
+    that hold a step's 16 (8 with AVX2) keys in place (16, 256) and those copied out first
+    (1, 5)."""
     q, k_cache, v_cache, blocks = prefill_case(start, n, block_size, heads, kv_heads, head_dim)
-    out = paged_cpu.paged_prefill(q, k_cache, v_cache, blocks, start, block_size, head_dim**-0.5)
+    fn = PREFILL_KERNELS[kernel]
+    out = paged_cpu.paged_prefill(
+        q, k_cache, v_cache, blocks, start, block_size, head_dim**-0.5, kernel=fn
+    )
     assert_as_exact_as_sdpa(out, q, k_cache, v_cache, blocks, start, block_size)
 
 
@@ -179,7 +199,8 @@ def assert_as_exact_as_sdpa(out, q, k_cache, v_cache, blocks, start, block_size)
 
 
 @needs_prefill_kernel
-def test_paged_prefill_reads_strided_rows_and_threads_agree():
+@each_prefill_kernel
+def test_paged_prefill_reads_strided_rows_and_threads_agree(kernel):
     """Query rows at a stride (a view into wider rows) read in place; one thread and many give
     the same bits (each tile is computed whole by one thread)."""
     start, n, heads, kv_heads, d = 700, 200, 8, 2, 64
@@ -188,10 +209,11 @@ def test_paged_prefill_reads_strided_rows_and_threads_agree():
     wide[:, : heads * d] = q.reshape(n, -1)
     strided = wide[:, : heads * d].view(n, heads, d)
     assert strided.stride(0) == heads * d + 96
+    fn = PREFILL_KERNELS[kernel]
     with torch_threads(1):
-        one = paged_cpu.paged_prefill(strided, k_cache, v_cache, blocks, start, 16, 0.125)
+        one = paged_cpu.paged_prefill(strided, k_cache, v_cache, blocks, start, 16, 0.125, fn)
     with torch_threads(3):
-        many = paged_cpu.paged_prefill(strided, k_cache, v_cache, blocks, start, 16, 0.125)
+        many = paged_cpu.paged_prefill(strided, k_cache, v_cache, blocks, start, 16, 0.125, fn)
     assert torch.equal(one, many)
     assert_as_exact_as_sdpa(one, q, k_cache, v_cache, blocks, start, 16)
 
