@@ -1,12 +1,14 @@
-"""Decode attention over the paged KV cache, one layer, in one process: the portable path
-(gather every context into a buffer, then SDPA) vs the in-place C kernel
-(``sarathi_pp.stages.paged_cpu``), against the bandwidth floor of reading that layer's K/V
-once at the copy rate measured in the same run.
+"""Attention over the paged KV cache, one layer, in one process: the portable path (gather
+the context into a buffer, then SDPA) vs the in-place C kernels
+(``sarathi_pp.stages.paged_cpu``). Decodes against the bandwidth floor of reading that
+layer's K/V once at the copy rate measured in the same run; a prefill chunk over its cached
+prefix (``--prefill``) in GFLOP/s against the matmul rate measured in the same run.
 
 Shapes default to one layer of the embedded model (16 heads, 4 KV heads, head_dim 64,
 float32); block tables are shuffled (blocks scattered over the cache, as after many frees).
 The two paths run interleaved, best of ``--repeats``: compare their ratio. Run from the
-repository root: ``python benchmarks/paged_attention.py [--decodes 32] [--context 1024]``.
+repository root: ``python benchmarks/paged_attention.py [--decodes 32] [--context 1024]
+[--prefill 256]``.
 """
 
 from __future__ import annotations
@@ -19,10 +21,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 
 import torch  # noqa: E402
-from common import add_threads_flag, copy_gbps, load_average, machine_line, set_threads  # noqa: E402
+from common import (  # noqa: E402
+    add_threads_flag,
+    copy_gbps,
+    describe_rates,
+    load_average,
+    machine_line,
+    matmul_rates,
+    set_threads,
+)
 
-from sarathi_pp.stages.attention import ATTENTION_BACKENDS, AttentionMetadata  # noqa: E402
-from sarathi_pp.stages.paged_cpu import kernel_threads, load_kernel  # noqa: E402
+from sarathi_pp.stages.attention import (  # noqa: E402
+    ATTENTION_BACKENDS,
+    AttentionMetadata,
+    PrefillSlice,
+)
+from sarathi_pp.stages.paged_cpu import kernel_threads, load_kernel, load_prefill  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,6 +47,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=256,
+        help="then a prefill chunk of this many tokens after --context cached ones (0: none)",
+    )
     p.add_argument("--repeats", type=int, default=15)
     add_threads_flag(p)
     args = p.parse_args(argv)
@@ -80,7 +100,43 @@ def main(argv: list[str] | None = None) -> None:
     for name, t in best.items():
         print(f"  {name:<10} {t * 1e3:8.2f} ms  {t / floor:6.1f}x the floor")
     print(f"  in place / gather + SDPA: {best['cpu_paged'] / best['torch']:.2f}")
+    if args.prefill > 0:
+        prefill(args, paths, k_cache, v_cache, g)
     print(f"load avg (1 min) at the end: {load_average()}")
+
+
+def prefill(args, paths, k_cache, v_cache, g) -> None:
+    """One chunk of ``--prefill`` tokens at position ``--context`` over its shuffled blocks."""
+    bs, start, n = args.block_size, args.context, args.prefill
+    if load_prefill() is None:
+        print("prefill: no in-place kernel on this CPU (it needs AVX-512 or AVX2 + FMA)")
+        return
+    need = -(-(start + n) // bs)
+    if need > k_cache.shape[0] // bs:
+        raise SystemExit(f"error: --context + --prefill needs {need} blocks; raise --decodes")
+    chunk = PrefillSlice(0, n, start, torch.randperm(k_cache.shape[0] // bs, generator=g)[:need])
+    q, k, v = (
+        torch.randn(n, h, args.head_dim, generator=g)
+        for h in (args.heads, args.kv_heads, args.kv_heads)
+    )
+    rates = matmul_rates()
+    best = {name: float("inf") for name in paths}
+    for _ in range(args.repeats + 1):
+        for name, attn in paths.items():
+            t0 = time.perf_counter()
+            attn._prefill(q, k, v, k_cache, v_cache, chunk, bs)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    # each token attends to pos + 1 keys: QK^T and PV, 2 FLOPs per multiply-add
+    flops = 4 * (n * start + n * (n + 1) // 2) * args.heads * args.head_dim
+    peak = max(rates.values())
+    print(
+        f"prefill chunk of {n} tokens at [{start}, {start + n}), block size {bs}, shuffled: "
+        f"{flops / 1e9:.2f} GFLOP; matmul rate {describe_rates(rates)}"
+    )
+    for name, t in best.items():
+        rate = flops / t / 1e9
+        print(f"  {name:<10} {t * 1e3:8.2f} ms  {rate:6.1f} GFLOP/s  {rate / peak:6.1%} of it")
+    print(f"  in place / gather + SDPA: {best['cpu_paged'] / best['torch']:.2f}")
 
 
 if __name__ == "__main__":

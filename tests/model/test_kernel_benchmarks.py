@@ -1,6 +1,7 @@
 """The CPU kernels' benchmarks run end to end on small sizes and print every kind they
 compare, so they cannot rot: ``benchmarks/linear_rows.py`` (each ``Linear`` kind per weight
-and row count), ``benchmarks/paged_attention.py`` (gather + SDPA vs the in-place kernel) and
+and row count), ``benchmarks/paged_attention.py`` (gather + SDPA vs the in-place kernels, decodes
+and a prefill chunk) and
 ``benchmarks/piggyback.py`` (every step kind against its floors, with the kernels it ran on)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from sarathi_pp.stages.fused_cpu import load_fused
 from sarathi_pp.stages.linear import choose_kind
-from sarathi_pp.stages.paged_cpu import load_kernel
+from sarathi_pp.stages.paged_cpu import load_kernel, load_prefill
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,9 +46,16 @@ def test_linear_rows_prints_every_kind():
 
 @pytest.mark.skipif(load_kernel() is None, reason="no C compiler: the kernel cannot build")
 def test_paged_attention_benchmark_compares_both_paths():
-    out = run("paged_attention.py", "--decodes", "2", "--context", "40", "--repeats", "1")
+    out = run(
+        "paged_attention.py", "--decodes", "2", "--context", "40", "--prefill", "24",
+        "--repeats", "1",
+    )  # fmt: skip
     assert "kernel threads:" in out and "torch " in out and "cpu_paged " in out
-    assert "in place / gather + SDPA:" in out
+    assert out.count("in place / gather + SDPA:") == (2 if load_prefill() else 1)
+    if load_prefill():
+        assert "prefill chunk of 24 tokens at [40, 64)" in out and "GFLOP/s" in out
+    else:
+        assert "prefill: no in-place kernel on this CPU" in out
 
 
 def test_piggyback_benchmark_prints_every_step_against_its_floors():
