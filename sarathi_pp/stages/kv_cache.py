@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
 import math
 import mmap
 import sys
 import time
+from functools import cache
 
 import numpy as np
 import torch
@@ -115,7 +117,7 @@ def _madvise_populate(addr: int, nbytes: int) -> bool:
     if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_POPULATE_WRITE) == 0:
         return True
     err = ctypes.get_errno()
-    if err in (12, 14):  # ENOMEM, EFAULT (no memory behind part of the range)
+    if err in (errno.ENOMEM, errno.EFAULT):  # EFAULT: no memory behind part of the range
         raise MemoryError(
             f"cache.prefault: could not commit {nbytes} bytes ({nbytes / 2**30:.2f} GiB) of KV "
             f"cache on this machine (errno {err}): lower cache.cpu_memory_budget, "
@@ -124,15 +126,12 @@ def _madvise_populate(addr: int, nbytes: int) -> bool:
     return False  # EINVAL: a kernel before 5.14
 
 
-_LIBC: ctypes.CDLL | None = None
-
-
+@cache
 def _libc() -> ctypes.CDLL | None:
-    global _LIBC
-    if _LIBC is None:
-        name = ctypes.util.find_library("c")
-        if name is None:
-            return None
-        _LIBC = ctypes.CDLL(name, use_errno=True)
-        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return _LIBC
+    """The C library with ``madvise``'s signature, errno kept; None where it is not found."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    libc = ctypes.CDLL(name, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
