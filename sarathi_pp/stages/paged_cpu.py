@@ -46,18 +46,19 @@ turned to it: a tile is 16 query rows of one KV head (row i = token i / G, query
 of the G sharing the KV head, so GQA reads each key once for all G), on the 16 lanes of a
 register, Q packed transposed and pre-scaled (AVX2: 8 rows and 8 keys, as 16 ymm registers
 allow). Per 16 keys (one block of 16, read in place; block sizes that are no multiple of 16
-copy the 16 rows out first): 16 accumulators of scores (each key row
-broadcast from the cache against Q's packed column), the causal mask as lane masks where a
-key passes a row's position, an online softmax in registers (the maximum and sum per lane,
-exp on 16 lanes with ``exp_f``'s polynomial), and the output, transposed in L1, rescaled and
-updated by 16 broadcast V rows. Tiles go to threads longest first (the chunk's last rows see
-the most keys). Against gather + SDPA in one process, 16 heads, 4 KV heads, head_dim 64,
-shuffled blocks of 16, 2 threads (2026-12-02): 256 rows at start 0 / 256 / 512 / 768:
-2.54 / 5.45 / 9.63 / 12.25 ms -> 1.03 / 2.95 / 4.62 / 6.51 ms (130-145 GFLOP/s, 1.85-2.47x);
-128 rows at 1024: 1.95x; block sizes 1 and 5 (copied out): 1.54-1.58x. The AVX2 build on
-the same CPU (``-mno-avx512f``, another run): 73-87 GFLOP/s against AVX-512's 102-133 and
-SDPA's 40-70. In
-``benchmarks/vs_hf.py`` the chunks' attention went from 3.87 s to 1.93 s of the run.
+copy the 16 rows out first): 16 accumulators of scores (each key row broadcast from the
+cache against Q's packed column), the causal mask as lane masks where a key passes a row's
+position, an online softmax in registers (the maximum and sum per lane, exp on 16 lanes with
+``exp_f``'s polynomial), and the output, transposed in L1, rescaled and updated by 16
+broadcast V rows. Tiles go to threads longest first (the chunk's last rows see the most
+keys). Against gather + SDPA in one process, 16 heads, 4 KV heads, head_dim 64, shuffled
+blocks of 16, 2 threads (2026-12-02): 256 rows at start 0 / 256 / 512 / 768: 2.54 / 5.45 /
+9.63 / 12.25 ms -> 1.03 / 2.95 / 4.62 / 6.51 ms (130-145 GFLOP/s, 1.85-2.47x); 128 rows at
+1024: 1.95x; block sizes 1 and 5 (copied out): 1.54-1.58x. The AVX2 build on the same CPU
+(``-mno-avx512f``, another run): 73-87 GFLOP/s against AVX-512's 102-133 and SDPA's 40-70.
+In ``benchmarks/vs_hf.py`` the chunks' attention went from 3.87 s to 1.93 s of the run. Used
+as a decode (one row per KV head and 12 padding lanes) it is 1.4-2x slower than the decode
+kernel: decodes keep theirs.
 """
 
 from __future__ import annotations

@@ -247,6 +247,11 @@ def test_pthreads_build_equals_sdpa(monkeypatch, tmp_path):
             out = paged_cpu.paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens), 16, 0.125)
         ref = reference(q, k_cache, v_cache, tables, lens, 16)
         torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+        if paged_cpu.load_prefill() is not None:  # the prefill kernel of the same library
+            q, k_cache, v_cache, blocks = prefill_case(500, 300, 16, 8, 2, 64)
+            with torch_threads(2):
+                out = paged_cpu.paged_prefill(q, k_cache, v_cache, blocks, 500, 16, 0.125)
+            assert_as_exact_as_sdpa(out, q, k_cache, v_cache, blocks, 500, 16)
     finally:
         paged_cpu.load_kernel.cache_clear()
 
