@@ -152,8 +152,8 @@ def resolve_threads(
 def resolve_memory(config: EngineConfig, device: str, resources: Resources) -> tuple[int, str]:
     """M_G: ``cpu_memory_budget`` on CPU; device memory x ``gpu_memory_utilization`` on CUDA.
     On CPU the stages' budgets together must fit in ``resources.memory_bytes`` (``ValueError``
-    with the figures): the KV cache is allocated lazily, so an over-large budget would be
-    accepted now and end in an out-of-memory kill mid-run."""
+    with the figures): the KV cache is mapped lazily (unless ``cache.prefault``), so an
+    over-large budget would be accepted now and end in an out-of-memory kill mid-run."""
     cache = config.cache
     if device != "cuda":
         check_cpu_budget(cache.cpu_memory_budget, config.parallel.pipeline_parallel_size, resources)
