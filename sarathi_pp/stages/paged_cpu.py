@@ -609,6 +609,19 @@ def kernel_supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
 
 
+def _check_cache(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> tuple[int, int, int, int]:
+    """``q``'s rows, heads and head_dim, and the KV heads, after checking what both kernels
+    assume: K and V caches contiguous, alike, of ``q``'s head_dim, heads a multiple of them."""
+    rows, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim
+    assert heads % kv_heads == 0
+    return rows, heads, head_dim, kv_heads
+
+
 def paged_decode(
     q: torch.Tensor,  # [num_seqs, heads, head_dim]
     k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim], contiguous
@@ -621,11 +634,8 @@ def paged_decode(
     """Attention of one query row per sequence over its paged context, read in place."""
     fn = load_kernel()
     assert fn is not None, "paged_decode needs the compiled kernel (load_kernel())"
-    num_seqs, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim
-    assert heads % kv_heads == 0 and block_tables.dtype == context_lens.dtype == torch.int64
+    num_seqs, heads, head_dim, kv_heads = _check_cache(q, k_cache, v_cache)
+    assert block_tables.dtype == context_lens.dtype == torch.int64
     q = q.contiguous()
     tables = block_tables.contiguous()
     lens = context_lens.contiguous()
@@ -655,11 +665,8 @@ def paged_prefill(
     build of ``build_prefill`` instead of ``load_prefill()``'s."""
     fn = kernel or load_prefill()
     assert fn is not None, "paged_prefill needs the compiled kernel (load_prefill())"
-    n, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim
-    assert heads % kv_heads == 0 and context_blocks.dtype == torch.int64
+    n, heads, head_dim, kv_heads = _check_cache(q, k_cache, v_cache)
+    assert context_blocks.dtype == torch.int64
     assert context_blocks.numel() * block_size >= start + n
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
