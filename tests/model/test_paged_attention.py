@@ -152,16 +152,12 @@ def prefill_reference(q, k_cache, v_cache, blocks, start, block_size):
     return o[0].transpose(0, 1)
 
 
-def prefill_case(start, n, block_size, heads, kv_heads, head_dim, seed=0):
-    """One chunk's queries and a cache whose context blocks are shuffled among others."""
-    g = torch.Generator().manual_seed(seed + start * 7 + n)
-    need = -(-(start + n) // block_size)
-    num_blocks = need + 3
-    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=g)
-    blocks = torch.randperm(num_blocks, generator=g)[:need]
+def prefill_case(start, n, block_size, heads, kv_heads, head_dim):
+    """One chunk's queries and ``paged_case``'s cache for a sequence of its context."""
+    _, k_cache, v_cache, tables = paged_case([start + n], block_size, heads, kv_heads, head_dim)
+    g = torch.Generator().manual_seed(start * 7 + n)
     q = torch.randn(n, heads, head_dim, generator=g) * 2  # sharper softmax than N(0, 1)
-    return q, k_cache, v_cache, blocks
+    return q, k_cache, v_cache, tables[0]
 
 
 @needs_prefill_kernel
