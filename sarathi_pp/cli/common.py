@@ -144,7 +144,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return load_config(args.config, **config_overrides(args))
 
 
-_received: list[int] = []  # the last signal ``sigterm_as_interrupt`` turned into Ctrl-C
+_received: list[int] = []  # the last signal ``sigterm_as_interrupt`` or ``hold_signals`` caught
 
 
 def sigterm_as_interrupt() -> None:
@@ -178,7 +178,8 @@ def hold_signals() -> None:
 
 
 def received_signal() -> int | None:
-    """SIGTERM if ``sigterm_as_interrupt``'s handler ran, else ``None``."""
+    """The last signal ``sigterm_as_interrupt``'s or ``hold_signals``' handler caught (SIGTERM,
+    or after ``hold_signals`` SIGINT too), else ``None``."""
     return _received[-1] if _received else None
 
 
