@@ -149,7 +149,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
     overrides = {
         "scheduler": args.scheduler,
         "chunk_size": args.chunk_size,
-        "prefault_kv_cache": args.prefault or None,  # None: the config's own setting
+        "prefault_kv_cache": args.prefault,
     }
     llm = LLM.from_config(args.config, **{k: v for k, v in overrides.items() if v is not None})
     if not hasattr(llm.engine.executor, "worker"):
