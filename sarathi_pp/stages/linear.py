@@ -3,9 +3,8 @@ load time for one of two kernels, else ``F.linear``:
 
 - ``panel_gemm`` (x86 with AVX2 + FMA; torch on libgomp): our small C kernel
   (``cpu_kernels``), the weight packed in panels of 16 output columns (``[N/16, K, 16]``),
-  each panel streamed once per call while a block of rows accumulates in registers, panels
-  split over torch's OpenMP threads. For fewer than 128 rows K is cut into slices of 256
-  (16 KB of the panel stays in L1 across the row blocks). Two micro-kernels, chosen at build
+  each panel streamed once per call while a block of rows accumulates in registers over the
+  whole of K, panels split over torch's OpenMP threads. Two micro-kernels, chosen at build
   time (``-march=native``): with AVX2, 6 rows at a time (2 x 6 accumulators, a broadcast of x
   and two loads of W per k); with AVX-512, 16 rows at a time (16 zmm accumulators, one load
   of W per k) from a copy of x packed by blocks of 16 rows (see Note [the AVX-512 panel
@@ -65,6 +64,32 @@ per slice). Then, against oneDNN in the same run: 128-256 rows 1.01-1.07x, 512-1
 the slices outermost, or x packed per chunk instead of once: no better. A 1024-token prefill
 chunk in the engine (``piggyback.py --chunk-size 1024``, oneDNN / panel alternated): 1412 /
 1542 ms vs 1456 / 1608 ms (3-4% slower); the default 256-token chunks are on par.
+
+Note [the panel's K slices]: up to 2026-12-02 the kernel cut K into slices of 256 for fewer
+than 128 rows, so that a panel's 16 KB slice stayed in L1 while each block of 16 rows passed
+over it. On the AVX-512 EPYC, 8 layers of the embedded model's weights cycled (360 MB, each
+call finds its weight in memory, as in a decode step), 2 threads, variants alternated 7 times
+in one process, ms for the 8 layers' linears at 12 / 16 / 20 / 24 / 32 / 64 / 100 rows: slices
+of 256: 19.1 / 20.4 / 24.9 / 28.0 / 34.3 / 65.8 / 95.9; all of K at once: 18.0 / 19.0 / 21.8 /
+26.5 / 32.6 / 63.0 / 91.8 (1.04-1.14x; slices of 128 or 64 were 2-12% slower than 256, 512 in
+between). The AVX2 build on the same CPU: at 1 / 8 / 16 / 24 / 32 / 64 rows 13.96 / 23.2 /
+34.9 / 38.7 / 48.3 / 89.6 vs 13.5 / 22.0 / 33.5 / 38.8 / 46.5 / 88.4 (on par or 2-5% faster).
+A block of 16 rows' packed x is 64 KB at K = 1024 (L2), the panel slice read from memory
+once; slicing only added the y round trips and broke the stream of each panel in four.
+
+Note [the panel's prefetch]: each k of the micro-kernel prefetches the panel's line 32 k ahead
+(2 KB) into L1 and, since 2026-12-02, the line 256 k ahead (16 KB) into L2. With few rows a
+line is consumed every few cycles, and 2 KB ahead is about one memory latency: the stream
+stalled. The same setting as Note [the panel's K slices] (8 layers cycled from memory, 2
+threads, main's kernel and this one alternated in one process, then the order reversed),
+ms for the 8 layers' linears (both changes against main): at 4 / 8 / 12 / 16 / 20 / 24 / 32 /
+64 / 128 rows 16.6 / 17.2 / 18.5 / 20.7 / 24.1 / 27.5 / 34.6 / 65.1 / 115.7 -> 12.9 / 12.6 /
+13.6 / 16.4 / 20.2 / 23.3 / 30.3 / 60.3 / 112.9 (1.29 / 1.36 / 1.36 / 1.26 / 1.19 / 1.18 / 1.14 /
+1.08 / 1.02x; reversed: 1.28 / 1.30 / 1.41 / 1.28 / 1.25 / 1.18 / 1.10 / 1.06 / 1.03x): 8 rows
+now read the 360 MB of weights at 28-35 GB/s, the machine's copy rate. 128 lines ahead or 512
+did as well as 256, the L2 prefetch without the L1 one 0-8% worse; 256 to 512 rows unchanged
+(223-232 ms either way). Prefetching only in each panel's first block of rows (the one that
+reads it from memory) was no better. The AVX2 build, old vs new: 1.08-1.27x at 4 to 24 rows.
 """
 
 from __future__ import annotations
@@ -96,7 +121,6 @@ _GEMM_SOURCE = r"""
 #endif
 #include <immintrin.h>
 #define NR 16   /* output columns per panel */
-#define KC 256  /* K slice for few rows: 16 KB of the panel stays in L1 across row blocks */
 #define BIG_X (1 << 20)  /* floats of x above which rows go in chunks of MC, K in slices of KC_BIG */
 #define MC 128           /* a multiple of 16: the AVX-512 kernel's packed row blocks start at chunks */
 #define KC_BIG 512
@@ -113,6 +137,7 @@ static inline __attribute__((always_inline)) void micro(const float *xp, const f
     for (int r = 0; r < MR; r++) acc[r] = accumulate ? _mm512_loadu_ps(y + r * ldy) : _mm512_setzero_ps();
     for (int64_t k = 0; k < kc; k++) {
         __builtin_prefetch(wp + (k + 32) * NR);  /* a panel row is one line: 2 KB ahead */
+        __builtin_prefetch(wp + (k + 256) * NR, 0, 1);  /* and 16 KB ahead into L2 (Note [the panel's prefetch]) */
         const __m512 w = _mm512_loadu_ps(wp + k * NR);
         for (int r = 0; r < MR; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xp[k * MR + r]), w, acc[r]);
     }
@@ -156,6 +181,7 @@ static inline __attribute__((always_inline)) void micro(const float *x, int64_t 
     }
     for (int64_t k = 0; k < kc; k++) {
         __builtin_prefetch(wp + (k + 32) * NR);  /* a panel row is one line: 2 KB ahead */
+        __builtin_prefetch(wp + (k + 256) * NR, 0, 1);  /* and 16 KB ahead into L2 (Note [the panel's prefetch]) */
         const __m256 w0 = _mm256_loadu_ps(wp + k * NR), w1 = _mm256_loadu_ps(wp + k * NR + 8);
         for (int r = 0; r < MR; r++) {
             const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
@@ -191,7 +217,7 @@ static void panel(const float *x, int64_t M, int64_t K, const float *wp, float *
    1 when the packed copy of x could not be allocated (AVX-512). */
 int panel_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, float *y,
                    int num_threads) {
-    const int64_t panels = N / NR, kc = M < 128 ? KC : K;
+    const int64_t panels = N / NR;
     if (M == 0) return 0;  /* (malloc(0) may return NULL) */
 #if defined(__AVX512F__)
     float *xp = malloc(sizeof(float) * (size_t)(M * K));
@@ -202,9 +228,8 @@ int panel_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_
 #endif
     if (M * K <= BIG_X) {
         #pragma omp parallel for schedule(static) num_threads(num_threads) if(num_threads > 1)
-        for (int64_t p = 0; p < panels; p++)
-            for (int64_t k0 = 0; k0 < K; k0 += kc)
-                panel(xp, M, K, wp + p * K * NR, y + p * NR, N, k0, K - k0 < kc ? K - k0 : kc);
+        for (int64_t p = 0; p < panels; p++)  /* all of K at once (Note [the panel's K slices]) */
+            panel(xp, M, K, wp + p * K * NR, y + p * NR, N, 0, K);
     } else {
         /* Many rows (x above 4 MB): every panel reading all of x would stream it from L3 or
            memory once per panel (down at 2048 rows: 0.5-0.66x oneDNN). Instead rows in
