@@ -36,6 +36,18 @@ themselves), non-temporal did nothing, 2 blocks ahead no better than 1. Then eac
 weighed for up to 4 query heads of one KV head at once (each V row loaded once for them, not
 once per head; `weigh_v`): 1.12-1.16x at 16 x 600 and 4 x 600, 1.00-1.01x at 32 x 1k (the
 same comparison, 41 runs each, two runs).
+With AVX-512 (head_dim a multiple of 64; ``block16``, 2026-12-02) a block is taken 16 keys at
+a time per KV head: each query head's 16 scores in one register (``dot16``: the keys' partial
+sums reduced across lanes together, then a permute), the online softmax on that register
+(one max, one exp, one sum per head and 16 keys where the loop above did them key by key),
+then V for up to 4 heads at once in 16 zmm accumulators. K is read for all heads before V, as
+above: weighing V per KV head right after its scores (K and V stripes alternating) was
+slower from memory than the kernel above (9.5 vs 8.7 and 32.1 vs 28.7 ms below). 8 layers' caches cycled, the same AVX-512 EPYC, 2 threads, ms for
+the 8 layers: from memory (the caches 2-8x L3) 16 x 600: 8.31 -> 8.03, 32 x 1k: 27.2 -> 26.8,
+4 x 600: 1.65 -> 1.45 (a loop that only reads the same blocks: 7.0 / 23.6 / 1.18 ms: both
+kernels are near it); blocks in cache (every table pointing at 4 blocks): 5.48 -> 4.08 and
+17.0 -> 11.1 (1.34x, 1.53x). Where memory is the limit (this 2-core VM) it changes little;
+with more bandwidth per core it is the arithmetic that counts.
 
 Note [paged prefill on CPU]: a prefill chunk's attention (``paged_prefill_f32``; AVX-512 or
 AVX2 + FMA builds) was gather + SDPA: the chunk's context copied out of the cache, then SDPA's
@@ -96,6 +108,80 @@ typedef struct {
     float *part_o, *part_ms;
 } job_t;
 
+
+/* Vector helpers shared by both kernels: PF_L float lanes (16 with AVX-512, 8 with AVX2 +
+   FMA) and exp_f's arithmetic on every lane. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#define PF_L 16
+typedef __m512 vf;
+typedef __mmask16 vmask;
+#define V_SET1 _mm512_set1_ps
+#define V_ZERO _mm512_setzero_ps
+#define V_LOAD _mm512_load_ps
+#define V_LOADU _mm512_loadu_ps
+#define V_STORE _mm512_store_ps
+#define V_STOREU _mm512_storeu_ps
+#define V_FMA _mm512_fmadd_ps
+#define V_FNMA _mm512_fnmadd_ps
+#define V_MUL _mm512_mul_ps
+#define V_ADD _mm512_add_ps
+#define V_SUB _mm512_sub_ps
+#define V_MAX _mm512_max_ps
+#define V_MIN _mm512_min_ps
+#define V_DIV _mm512_div_ps
+static inline vf v_round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf v_pow2i(vf n) {  /* 2^n for integral n in [-126, 127] */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+static inline vmask v_all(void) { return (vmask)0xFFFF; }
+static inline vmask v_le(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+static inline vf v_mask_max(vf a, vmask k, vf b) { return _mm512_mask_max_ps(a, k, a, b); }
+static inline vf v_maskz(vmask k, vf a) { return _mm512_maskz_mov_ps(k, a); }
+#else
+#define PF_L 8
+typedef __m256 vf;
+typedef __m256 vmask;
+#define V_SET1 _mm256_set1_ps
+#define V_ZERO _mm256_setzero_ps
+#define V_LOAD _mm256_load_ps
+#define V_LOADU _mm256_loadu_ps
+#define V_STORE _mm256_store_ps
+#define V_STOREU _mm256_storeu_ps
+#define V_FMA _mm256_fmadd_ps
+#define V_FNMA _mm256_fnmadd_ps
+#define V_MUL _mm256_mul_ps
+#define V_ADD _mm256_add_ps
+#define V_SUB _mm256_sub_ps
+#define V_MAX _mm256_max_ps
+#define V_MIN _mm256_min_ps
+#define V_DIV _mm256_div_ps
+static inline vf v_round(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf v_pow2i(vf n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline vmask v_all(void) { return _mm256_castsi256_ps(_mm256_set1_epi32(-1)); }
+static inline vmask v_le(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
+static inline vf v_mask_max(vf a, vmask k, vf b) { return _mm256_max_ps(a, _mm256_blendv_ps(a, b, k)); }
+static inline vf v_maskz(vmask k, vf a) { return _mm256_and_ps(k, a); }
+#endif
+
+/* exp_f's arithmetic on every lane: the same clamp, reduction and polynomial. */
+static inline vf v_exp(vf x) {
+    x = V_MIN(V_MAX(x, V_SET1(-87.0f)), V_SET1(88.0f));
+    const vf n = v_round(V_MUL(x, V_SET1(1.44269504088896341f)));
+    const vf r = V_ADD(V_FNMA(n, V_SET1(0.693359375f), x), V_MUL(n, V_SET1(2.12194440e-4f)));
+    vf p = V_SET1(1.9875691500e-4f);
+    p = V_FMA(p, r, V_SET1(1.3981999507e-3f));
+    p = V_FMA(p, r, V_SET1(8.3334519073e-3f));
+    p = V_FMA(p, r, V_SET1(4.1665795894e-2f));
+    p = V_FMA(p, r, V_SET1(1.6666665459e-1f));
+    p = V_FMA(p, r, V_SET1(5.0000001201e-1f));
+    return V_MUL(V_ADD(V_FMA(V_MUL(p, r), r, r), V_SET1(1.0f)), v_pow2i(n));
+}
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -170,10 +256,116 @@ static inline void prefetch(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 1);  /* 16 floats: a line */
 }
 
+#if defined(__AVX512F__)
+/* Where dot16's transposing sum leaves each key: lane p holds key KEY_LANE[p] (an involution,
+   so the same table, given to a permute, puts key i in lane i). */
+static const int32_t KEY_LANE[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+/* Scores of q [D] against m <= 16 keys k, k + row, ... (D a multiple of 16), key i's in lane
+   i (lanes from m on hold key 0's again: the caller masks them). Each key's D / 16 products
+   go to one register a[i]; the sixteen registers are then summed across their lanes together,
+   halving the lanes per register at each level (15 shuffle-and-add steps, where a horizontal
+   sum per key would take 4 each). See Note [paged decode on CPU]. */
+static inline __attribute__((always_inline)) __m512 dot16(const float *q, const float *k,
+                                                          int64_t row, int m, const int D) {
+    __m512 a[16], b[8], c[4], d[2];
+    for (int i = 0; i < 16; i++) {
+        const float *ki = k + (i < m ? i : 0) * row;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(ki));
+        for (int x = 16; x < D; x += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + x), _mm512_loadu_ps(ki + x), acc);
+        a[i] = acc;
+    }
+    /* b[i]: key i's 8 partial sums in the low half, key i + 8's in the high half; c[i]: four
+       keys' 4 partial sums in its four quarters; d, then e: whole sums. */
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[i], b[i + 4], 0x88), _mm512_shuffle_f32x4(b[i], b[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++)
+        d[i] = _mm512_add_ps(_mm512_unpacklo_ps(c[i], c[i + 2]), _mm512_unpackhi_ps(c[i], c[i + 2]));
+    const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x44), _mm512_shuffle_ps(d[0], d[1], 0xEE));
+    return _mm512_permutexvar_ps(_mm512_loadu_si512(KEY_LANE), e);
+}
+
+/* o[u] = o[u] * c[u] + sum_i p[u * 16 + i] V[i] for NH <= 4 query heads u of one KV head, 64
+   columns a pass (4 registers per head): each V row loaded once for all of them. */
+static inline __attribute__((always_inline)) void weigh_v16(const float *v, int64_t row,
+                                                            const float *p, int m, float *o,
+                                                            const float *c, const int D,
+                                                            const int NH) {
+    for (int x = 0; x < D; x += 64) {
+        __m512 a[4][4];
+        for (int u = 0; u < NH; u++) {
+            const __m512 cu = _mm512_set1_ps(c[u]);
+            for (int w = 0; w < 4; w++) a[u][w] = _mm512_mul_ps(_mm512_loadu_ps(o + u * D + x + 16 * w), cu);
+        }
+        for (int i = 0; i < m; i++) {
+            __m512 vr[4];
+            for (int w = 0; w < 4; w++) vr[w] = _mm512_loadu_ps(v + i * row + x + 16 * w);
+            for (int u = 0; u < NH; u++) {
+                const __m512 pu = _mm512_set1_ps(p[u * 16 + i]);
+                for (int w = 0; w < 4; w++) a[u][w] = _mm512_fmadd_ps(pu, vr[w], a[u][w]);
+            }
+        }
+        for (int u = 0; u < NH; u++)
+            for (int w = 0; w < 4; w++) _mm512_storeu_ps(o + u * D + x + 16 * w, a[u][w]);
+    }
+}
+
+/* One cached block of m keys at kb / vb for every head (D a multiple of 64), 16 keys at a
+   time: per KV head, its query heads' scores (one register each), their online-softmax
+   update, then the keys' V weighed into their outputs. The next block (nk / nv, or NULL) is
+   prefetched a 1/H part per head, as one_seq does. s: [H, 16] scratch. */
+static inline __attribute__((always_inline)) void block16(const job_t *j, const float *q,
+                                                          const float *kb, const float *vb,
+                                                          int64_t m, float *o, float *mx,
+                                                          float *sum, float *cf, float *s,
+                                                          const float *nk, const float *nv,
+                                                          int64_t pf, const int D) {
+    const int H = j->heads, KVH = j->kv_heads, G = H / KVH;
+    const int64_t row = (int64_t)KVH * D;
+    const __m512 scale = _mm512_set1_ps(j->scale), neg_inf = _mm512_set1_ps(-INFINITY);
+    for (int64_t i0 = 0; i0 < m; i0 += 16) {
+        const int mt = m - i0 < 16 ? (int)(m - i0) : 16;
+        const __mmask16 valid = (__mmask16)((1u << mt) - 1);
+        for (int g = 0; g < KVH; g++) {
+            const float *kg = kb + i0 * row + g * D;
+            for (int h = g * G; h < (g + 1) * G; h++) {
+                if (nk != NULL && i0 == 0) prefetch(nk + h * pf, pf), prefetch(nv + h * pf, pf);
+                const __m512 sc = _mm512_mask_mov_ps(neg_inf, valid,
+                                                     _mm512_mul_ps(dot16(q + h * D, kg, row, mt, D), scale));
+                const float bm = _mm512_reduce_max_ps(sc);
+                cf[h] = 1.f;
+                if (bm > mx[h]) {  /* a new maximum: rescale what was summed so far */
+                    cf[h] = exp_f(mx[h] - bm);
+                    sum[h] *= cf[h];
+                    mx[h] = bm;
+                }
+                const __m512 p = _mm512_maskz_mov_ps(valid, v_exp(_mm512_sub_ps(sc, _mm512_set1_ps(mx[h]))));
+                sum[h] += _mm512_reduce_add_ps(p);
+                _mm512_storeu_ps(s + h * 16, p);
+            }
+        }
+        for (int g = 0; g < KVH; g++) {
+            const float *vg = vb + i0 * row + g * D;
+            for (int h0 = g * G; h0 < (g + 1) * G; h0 += 4) {
+                const int nh = (g + 1) * G - h0 < 4 ? (g + 1) * G - h0 : 4;
+                switch (nh) {
+                    case 4: weigh_v16(vg, row, s + h0 * 16, mt, o + h0 * D, cf + h0, D, 4); break;
+                    case 3: weigh_v16(vg, row, s + h0 * 16, mt, o + h0 * D, cf + h0, D, 3); break;
+                    case 2: weigh_v16(vg, row, s + h0 * 16, mt, o + h0 * D, cf + h0, D, 2); break;
+                    default: weigh_v16(vg, row, s + h0 * 16, mt, o + h0 * D, cf + h0, D, 1);
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* One work item: sequence item / parts, q [H, D], against its cached tokens in block range
    item % parts of parts (all of them when parts is 1), in one pass over those blocks with an
    online softmax (each block's K and V read once, while the blocks PF_DIST ahead are
-   prefetched). s: [H, BS] scratch for a block's scores. The output accumulates in the
+   prefetched). s: [H, max(BS, 16)] scratch for a block's scores. The output accumulates in the
    sequence's row of out, normalised at the end; with parts > 1 in the item's part_o, left
    unnormalised with its maxima and sums in part_ms for merge_parts. */
 #define PF_DIST 1
@@ -194,6 +386,13 @@ static inline __attribute__((always_inline)) void one_seq(const job_t *j, int it
         const int64_t blk = table[t0 / BS] * BS * row, m = n - t0 < BS ? n - t0 : BS;
         const float *kb = j->k + blk, *vb = j->v + blk;
         const int64_t nxt = t0 + PF_DIST * BS < t_end ? table[t0 / BS + PF_DIST] * BS * row : -1;
+#if defined(__AVX512F__)
+        if (D % 64 == 0) {
+            block16(j, q, kb, vb, m, o, mx, sum, cf, s, nxt >= 0 ? j->k + nxt : NULL,
+                    nxt >= 0 ? j->v + nxt : NULL, pf, D);
+            continue;
+        }
+#endif
         for (int h = 0; h < H; h++) {
             const float *qh = q + h * D, *kh = kb + (h / G) * D;
             float *sh = s + h * BS;
@@ -274,7 +473,8 @@ static void merge_parts(const job_t *j) {
 
 static void *worker(void *arg) {
     job_t *j = (job_t *)arg;
-    float *s = malloc(sizeof(float) * (size_t)j->heads * (size_t)j->block_size);
+    /* a block's scores: [H, BS], or [H, 16] for block16 */
+    float *s = malloc(sizeof(float) * (size_t)j->heads * (size_t)(j->block_size > 16 ? j->block_size : 16));
     if (s == NULL) return (void *)1;
     for (;;) {
         int b = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
@@ -343,76 +543,6 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int64
    against PF_L keys in PF_L accumulators: 16 with AVX-512, 8 with AVX2 + FMA (16 ymm
    registers). Elsewhere paged_prefill_supported() says 0 and chunks take gather + SDPA. */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#include <string.h>
-#if defined(__AVX512F__)
-#define PF_L 16
-typedef __m512 vf;
-typedef __mmask16 vmask;
-#define V_SET1 _mm512_set1_ps
-#define V_ZERO _mm512_setzero_ps
-#define V_LOAD _mm512_load_ps
-#define V_LOADU _mm512_loadu_ps
-#define V_STORE _mm512_store_ps
-#define V_STOREU _mm512_storeu_ps
-#define V_FMA _mm512_fmadd_ps
-#define V_FNMA _mm512_fnmadd_ps
-#define V_MUL _mm512_mul_ps
-#define V_ADD _mm512_add_ps
-#define V_SUB _mm512_sub_ps
-#define V_MAX _mm512_max_ps
-#define V_MIN _mm512_min_ps
-#define V_DIV _mm512_div_ps
-static inline vf v_round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-static inline vf v_pow2i(vf n) {  /* 2^n for integral n in [-126, 127] */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
-}
-static inline vmask v_all(void) { return (vmask)0xFFFF; }
-static inline vmask v_le(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
-static inline vf v_mask_max(vf a, vmask k, vf b) { return _mm512_mask_max_ps(a, k, a, b); }
-static inline vf v_maskz(vmask k, vf a) { return _mm512_maskz_mov_ps(k, a); }
-#else
-#define PF_L 8
-typedef __m256 vf;
-typedef __m256 vmask;
-#define V_SET1 _mm256_set1_ps
-#define V_ZERO _mm256_setzero_ps
-#define V_LOAD _mm256_load_ps
-#define V_LOADU _mm256_loadu_ps
-#define V_STORE _mm256_store_ps
-#define V_STOREU _mm256_storeu_ps
-#define V_FMA _mm256_fmadd_ps
-#define V_FNMA _mm256_fnmadd_ps
-#define V_MUL _mm256_mul_ps
-#define V_ADD _mm256_add_ps
-#define V_SUB _mm256_sub_ps
-#define V_MAX _mm256_max_ps
-#define V_MIN _mm256_min_ps
-#define V_DIV _mm256_div_ps
-static inline vf v_round(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-static inline vf v_pow2i(vf n) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
-}
-static inline vmask v_all(void) { return _mm256_castsi256_ps(_mm256_set1_epi32(-1)); }
-static inline vmask v_le(vf a, vf b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
-static inline vf v_mask_max(vf a, vmask k, vf b) { return _mm256_max_ps(a, _mm256_blendv_ps(a, b, k)); }
-static inline vf v_maskz(vmask k, vf a) { return _mm256_and_ps(k, a); }
-#endif
-
-/* exp_f's arithmetic on every lane: the same clamp, reduction and polynomial. */
-static inline vf v_exp(vf x) {
-    x = V_MIN(V_MAX(x, V_SET1(-87.0f)), V_SET1(88.0f));
-    const vf n = v_round(V_MUL(x, V_SET1(1.44269504088896341f)));
-    const vf r = V_ADD(V_FNMA(n, V_SET1(0.693359375f), x), V_MUL(n, V_SET1(2.12194440e-4f)));
-    vf p = V_SET1(1.9875691500e-4f);
-    p = V_FMA(p, r, V_SET1(1.3981999507e-3f));
-    p = V_FMA(p, r, V_SET1(8.3334519073e-3f));
-    p = V_FMA(p, r, V_SET1(4.1665795894e-2f));
-    p = V_FMA(p, r, V_SET1(1.6666665459e-1f));
-    p = V_FMA(p, r, V_SET1(5.0000001201e-1f));
-    return V_MUL(V_ADD(V_FMA(V_MUL(p, r), r, r), V_SET1(1.0f)), v_pow2i(n));
-}
-
 typedef struct {
     const float *q, *k, *v;
     const int64_t *blocks;
@@ -562,11 +692,16 @@ def load_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     )  # fmt: skip
     if lib is None:
         return None
+    _prefill = _prefill_of(lib)
+    return _decode_of(lib)
+
+
+def _decode_of(lib: ctypes.CDLL) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    """``lib``'s ``paged_decode_f32`` with its signature."""
     fn = lib.paged_decode_f32
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32]
     fn.restype = i32
-    _prefill = _prefill_of(lib)
     return fn
 
 
@@ -596,6 +731,13 @@ def build_prefill(extra_flags: tuple[str, ...]) -> ctypes._CFuncPtr | None:  # t
     no vector path. Raises ``cpu_kernels.KernelUnavailable`` when nothing builds."""
     lib, _ = build("paged_decode", _SOURCE, extra_flags=extra_flags)
     return _prefill_of(lib)
+
+
+def build_decode(extra_flags: tuple[str, ...]) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    """The decode kernel built with ``extra_flags`` after the usual ones, as
+    ``build_prefill`` (``-mno-avx512f`` on an AVX-512 CPU: its AVX2 path)."""
+    lib, _ = build("paged_decode", _SOURCE, extra_flags=extra_flags)
+    return _decode_of(lib)
 
 
 def kernel_threads() -> str:
@@ -630,9 +772,11 @@ def paged_decode(
     context_lens: torch.Tensor,  # [num_seqs] int64: keys each query attends to (its pos + 1)
     block_size: int,
     scale: float,
+    kernel: ctypes._CFuncPtr | None = None,  # type: ignore[name-defined]
 ) -> torch.Tensor:  # [num_seqs, heads, head_dim]
-    """Attention of one query row per sequence over its paged context, read in place."""
-    fn = load_kernel()
+    """Attention of one query row per sequence over its paged context, read in place.
+    ``kernel``: a build of ``build_decode`` instead of ``load_kernel()``'s."""
+    fn = kernel or load_kernel()
     assert fn is not None, "paged_decode needs the compiled kernel (load_kernel())"
     num_seqs, heads, head_dim, kv_heads = _check_cache(q, k_cache, v_cache)
     assert block_tables.dtype == context_lens.dtype == torch.int64

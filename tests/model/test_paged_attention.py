@@ -67,19 +67,49 @@ def reference(q, k_cache, v_cache, tables, lens, block_size):
     return torch.stack(outs)
 
 
+def decode_kernels() -> dict[str, object]:
+    """The decode kernel's builds for this CPU: its native one and, on an AVX-512 CPU, the
+    AVX2 path too (``-mno-avx512f``): the AVX-512 path (head_dim a multiple of 64) and the
+    AVX2 one are both checked wherever AVX-512 runs."""
+    native = paged_cpu.load_kernel()
+    if native is None:
+        return {}
+    kernels = {"native": native}
+    if "avx512f" in cpu_kernels.cpu_flags():
+        kernels["avx2"] = paged_cpu.build_decode(("-mno-avx512f",))
+    return kernels
+
+
+DECODE_KERNELS = decode_kernels()
+each_decode_kernel = pytest.mark.parametrize("kernel", sorted(DECODE_KERNELS) or ["none"])
+
+
 @needs_kernel
-@pytest.mark.parametrize("block_size", [1, 16, 256])
+@each_decode_kernel
+@pytest.mark.parametrize("block_size", [1, 5, 16, 256])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"),
-    [(8, 2, 64), (4, 4, 128), (6, 3, 40), (9, 3, 64), (10, 2, 64), (16, 2, 32), (2, 2, 96)],
+    [
+        (8, 2, 64),
+        (4, 4, 128),
+        (6, 3, 40),
+        (9, 3, 64),
+        (10, 2, 64),
+        (16, 2, 32),
+        (2, 2, 96),
+        (16, 2, 128),
+    ],
 )  # GQA 4 heads per KV head; MHA; an odd head_dim (the generic loop); 3, 5 (4 + 1) and 8
 # (4 + 4) heads per KV head (V is weighed for up to 4 heads at once); MHA at a head_dim the
-# one-head vector pass does not divide (its plain loop)
-def test_paged_decode_equals_sdpa(block_size, heads, kv_heads, head_dim):
+# one-head vector pass does not divide (its plain loop); 8 heads per KV head at 128 (two
+# 64-column passes of the AVX-512 V loop). Block size 5: blocks of fewer than 16 keys.
+def test_paged_decode_equals_sdpa(kernel, block_size, heads, kv_heads, head_dim):
     lens = [1, 17, 300, block_size, block_size + 1, 513]  # mixed, partial last blocks
     q, k_cache, v_cache, tables = paged_case(lens, block_size, heads, kv_heads, head_dim)
     lens_t = torch.tensor(lens)
-    out = paged_cpu.paged_decode(q, k_cache, v_cache, tables, lens_t, block_size, head_dim**-0.5)
+    out = paged_cpu.paged_decode(
+        q, k_cache, v_cache, tables, lens_t, block_size, head_dim**-0.5, DECODE_KERNELS[kernel]
+    )
     ref = reference(q, k_cache, v_cache, tables, lens, block_size)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
 
@@ -99,19 +129,21 @@ def test_paged_decode_one_thread_and_many_agree():
 
 
 @needs_kernel
+@each_decode_kernel
 @pytest.mark.parametrize("block_size", [1, 16, 256])
 @pytest.mark.parametrize(
     "lens", [[5000], [2500, 2], [4000, 40, 5]]
 )  # >= 1 M multiply-adds a thread
-def test_fewer_sequences_than_threads_split_their_blocks(block_size, lens):
+def test_fewer_sequences_than_threads_split_their_blocks(kernel, block_size, lens):
     """With fewer sequences than threads each sequence's blocks are split over the threads
     (partial results merged by their maxima and sums): still SDPA's values, parts that hold
     no block included (a 2-token sequence split in 2)."""
     q, k_cache, v_cache, tables = paged_case(lens, block_size, 16, 4, 64)
     with torch_threads(4):
         out = paged_cpu.paged_decode(
-            q, k_cache, v_cache, tables, torch.tensor(lens), block_size, 0.125
-        )
+            q, k_cache, v_cache, tables, torch.tensor(lens), block_size, 0.125,
+            DECODE_KERNELS[kernel],
+        )  # fmt: skip
     ref = reference(q, k_cache, v_cache, tables, lens, block_size)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
 
