@@ -67,20 +67,20 @@ def reference(q, k_cache, v_cache, tables, lens, block_size):
     return torch.stack(outs)
 
 
-def decode_kernels() -> dict[str, object]:
-    """The decode kernel's builds for this CPU: its native one and, on an AVX-512 CPU, the
-    AVX2 path too (``-mno-avx512f``): the AVX-512 path (head_dim a multiple of 64) and the
-    AVX2 one are both checked wherever AVX-512 runs."""
-    native = paged_cpu.load_kernel()
+def kernel_builds(native, build) -> dict[str, object]:
+    """A kernel's builds for this CPU: ``native`` (None: it does not build here) and, on an
+    AVX-512 CPU, its AVX2 path too (``build(("-mno-avx512f",))``), so both paths are checked
+    wherever AVX-512 runs."""
     if native is None:
         return {}
     kernels = {"native": native}
     if "avx512f" in cpu_kernels.cpu_flags():
-        kernels["avx2"] = paged_cpu.build_decode(("-mno-avx512f",))
+        kernels["avx2"] = build(("-mno-avx512f",))
     return kernels
 
 
-DECODE_KERNELS = decode_kernels()
+# the decode kernel's AVX-512 path takes head_dim a multiple of 64, the AVX2 loop the rest
+DECODE_KERNELS = kernel_builds(paged_cpu.load_kernel(), paged_cpu.build_decode)
 each_decode_kernel = pytest.mark.parametrize("kernel", sorted(DECODE_KERNELS) or ["none"])
 
 
@@ -148,20 +148,7 @@ def test_fewer_sequences_than_threads_split_their_blocks(kernel, block_size, len
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
 
 
-def prefill_kernels() -> dict[str, object]:
-    """The prefill kernel builds this CPU runs: its native one (AVX-512 or AVX2 + FMA) and,
-    on an AVX-512 CPU, the AVX2 path too (built with ``-mno-avx512f``), so both are checked
-    wherever AVX-512 runs."""
-    native = paged_cpu.load_prefill()
-    if native is None:
-        return {}
-    kernels = {"native": native}
-    if "avx512f" in cpu_kernels.cpu_flags():
-        kernels["avx2"] = paged_cpu.build_prefill(("-mno-avx512f",))
-    return kernels
-
-
-PREFILL_KERNELS = prefill_kernels()
+PREFILL_KERNELS = kernel_builds(paged_cpu.load_prefill(), paged_cpu.build_prefill)
 needs_prefill_kernel = pytest.mark.skipif(
     not PREFILL_KERNELS,
     reason="the prefill kernel needs AVX-512 or AVX2 + FMA and a C compiler (this CPU's "
