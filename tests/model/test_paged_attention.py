@@ -98,11 +98,13 @@ each_decode_kernel = pytest.mark.parametrize("kernel", sorted(DECODE_KERNELS) or
         (16, 2, 32),
         (2, 2, 96),
         (16, 2, 128),
+        (4, 2, 256),
     ],
 )  # GQA 4 heads per KV head; MHA; an odd head_dim (the generic loop); 3, 5 (4 + 1) and 8
 # (4 + 4) heads per KV head (V is weighed for up to 4 heads at once); MHA at a head_dim the
 # one-head vector pass does not divide (its plain loop); 8 heads per KV head at 128 (two
-# 64-column passes of the AVX-512 V loop). Block size 5: blocks of fewer than 16 keys.
+# 64-column passes of the AVX-512 V loop) and 2 at 256 (Gemma's head_dim: four passes, 16
+# registers of q per key). Block size 5: blocks of fewer than 16 keys.
 def test_paged_decode_equals_sdpa(kernel, block_size, heads, kv_heads, head_dim):
     lens = [1, 17, 300, block_size, block_size + 1, 513]  # mixed, partial last blocks
     q, k_cache, v_cache, tables = paged_case(lens, block_size, heads, kv_heads, head_dim)
