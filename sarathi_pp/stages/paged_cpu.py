@@ -15,8 +15,9 @@ one decode at 8 k context, one layer, 2 threads: 2.6-3.3 ms -> 1.95-2.0 ms.
 
 Built and loaded by ``cpu_kernels.build`` (the system ``cc`` on first use, cached; on
 torch's OpenMP threads where torch runs on libgomp, see Note [the kernels' threads] there,
-else threads of its own). float32 only; with AVX2 + FMA (``-march=native``) the scores of 8
-keys are computed at once, elsewhere the compiler vectorises plain loops. Where nothing
+else threads of its own). float32 only; with AVX-512 (``-march=native``) and a head_dim that
+is a multiple of 64, 16 keys at a time per head in one register (``block16``); with AVX2 +
+FMA the scores of 8 keys are computed at once; elsewhere the compiler vectorises plain loops. Where nothing
 builds, or ``SARATHI_PP_CPU_KERNEL=0``, ``load_kernel`` returns None and attention keeps the
 portable gather + SDPA path.
 
@@ -42,7 +43,8 @@ sums reduced across lanes together, then a permute), the online softmax on that 
 (one max, one exp, one sum per head and 16 keys where the loop above did them key by key),
 then V for up to 4 heads at once in 16 zmm accumulators. K is read for all heads before V, as
 above: weighing V per KV head right after its scores (K and V stripes alternating) was
-slower from memory than the kernel above (9.5 vs 8.7 and 32.1 vs 28.7 ms below). 8 layers' caches cycled, the same AVX-512 EPYC, 2 threads, ms for
+slower from memory than the kernel above (9.5 vs 8.7 ms at 16 x 600, 32.1 vs 28.7 at 32 x 1k,
+in the setting below). 8 layers' caches cycled, the same AVX-512 EPYC, 2 threads, ms for
 the 8 layers: from memory (the caches 2-8x L3) 16 x 600: 8.31 -> 8.03, 32 x 1k: 27.2 -> 26.8,
 4 x 600: 1.65 -> 1.45 (a loop that only reads the same blocks: 7.0 / 23.6 / 1.18 ms: both
 kernels are near it); blocks in cache (every table pointing at 4 blocks): 5.48 -> 4.08 and
