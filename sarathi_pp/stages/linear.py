@@ -90,6 +90,11 @@ now read the 360 MB of weights at 28-35 GB/s, the machine's copy rate. 128 lines
 did as well as 256, the L2 prefetch without the L1 one 0-8% worse; 256 to 512 rows unchanged
 (223-232 ms either way). Prefetching only in each panel's first block of rows (the one that
 reads it from memory) was no better. The AVX2 build, old vs new: 1.08-1.27x at 4 to 24 rows.
+Half an hour later (the machine slower), at 4 / 8 / 12 / 16 / 24 / 32 rows: 1.20 / 1.40 / 1.38
+/ 1.13 / 1.23 / 1.02x and reversed 1.56 / 1.74 / 1.38 / 1.17 / 1.14 / 1.10x. (The session
+before tried the same L2 prefetch, saw 1.11-1.33x once and no difference in two reruns with
+the machine in a faster state, and dropped it; this time it showed in every series over an
+hour, `piggyback.py`'s decode steps included, and made no step slower.)
 """
 
 from __future__ import annotations
