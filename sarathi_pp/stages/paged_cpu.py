@@ -17,9 +17,9 @@ Built and loaded by ``cpu_kernels.build`` (the system ``cc`` on first use, cache
 torch's OpenMP threads where torch runs on libgomp, see Note [the kernels' threads] there,
 else threads of its own). float32 only; with AVX-512 (``-march=native``) and a head_dim that
 is a multiple of 64, 16 keys at a time per head in one register (``block16``); with AVX2 +
-FMA the scores of 8 keys are computed at once; elsewhere the compiler vectorises plain loops. Where nothing
-builds, or ``SARATHI_PP_CPU_KERNEL=0``, ``load_kernel`` returns None and attention keeps the
-portable gather + SDPA path.
+FMA the scores of 8 keys are computed at once; elsewhere the compiler vectorises plain
+loops. Where nothing builds, or ``SARATHI_PP_CPU_KERNEL=0``, ``load_kernel`` returns None
+and attention keeps the portable gather + SDPA path.
 
 Note [paged decode on CPU]: 32 decodes x 1k context, one layer of the embedded model (16
 heads, 4 KV heads, head_dim 64; 67 MB of K/V), 2 threads, a shared 2-core EPYC: gather + SDPA
@@ -514,6 +514,13 @@ static int run_threads(void *(*fn)(void *), void *arg, int num_threads) {
 #endif
 }
 
+/* num_threads cut to what `work` multiply-adds are worth (MIN_WORK_PER_THREAD each), 1-64. */
+static int threads_for(int num_threads, int64_t work) {
+    if (num_threads > 1 + work / MIN_WORK_PER_THREAD) num_threads = 1 + work / MIN_WORK_PER_THREAD;
+    if (num_threads > 64) num_threads = 64;
+    return num_threads < 1 ? 1 : num_threads;
+}
+
 /* Returns 0, or 1 when scratch memory could not be allocated. */
 int paged_decode_f32(const float *q, const float *k, const float *v, const int64_t *tables,
                      int64_t table_stride, const int64_t *lens, float *out, int num_seqs,
@@ -523,9 +530,7 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int64
                block_size, 0, scale, 1, NULL, NULL};
     int64_t work = 0;  /* multiply-adds of the scores: split only work worth a thread */
     for (int b = 0; b < num_seqs; b++) work += lens[b] * heads * head_dim;
-    if (num_threads > 1 + work / MIN_WORK_PER_THREAD) num_threads = 1 + work / MIN_WORK_PER_THREAD;
-    if (num_threads > 64) num_threads = 64;
-    if (num_threads < 1) num_threads = 1;
+    num_threads = threads_for(num_threads, work);
     if (num_threads <= num_seqs) return run_threads(worker, &j, num_threads);
     /* Fewer sequences than threads: split each sequence's blocks over the threads. */
     j.parts = (num_threads + num_seqs - 1) / num_seqs;
@@ -659,11 +664,8 @@ int paged_prefill_f32(const float *q, int64_t q_row, const float *k, const float
     pf_job_t j = {q, k, v, blocks, out, q_row, out_row, n, start, heads, kv_heads, head_dim,
                   block_size, tiles, 0, scale};
     const int64_t work = (int64_t)n * heads * head_dim * (start + n);  /* multiply-adds, x2 */
-    if (num_threads > 1 + work / MIN_WORK_PER_THREAD) num_threads = 1 + work / MIN_WORK_PER_THREAD;
-    if (num_threads > tiles * kv_heads) num_threads = tiles * kv_heads;
-    if (num_threads > 64) num_threads = 64;
-    if (num_threads < 1) num_threads = 1;
-    return run_threads(pf_worker, &j, num_threads);
+    const int items = tiles * kv_heads;  /* no more threads than tiles */
+    return run_threads(pf_worker, &j, threads_for(num_threads < items ? num_threads : items, work));
 }
 #else
 int paged_prefill_supported(void) { return 0; }
