@@ -1,8 +1,8 @@
 """The CPU kernels' benchmarks run end to end on small sizes and print every kind they
 compare, so they cannot rot: ``benchmarks/linear_rows.py`` (each ``Linear`` kind per weight
-and row count), ``benchmarks/paged_attention.py`` (gather + SDPA vs the in-place kernels, decodes
-and a prefill chunk) and
-``benchmarks/piggyback.py`` (every step kind against its floors, with the kernels it ran on)."""
+and row count), ``benchmarks/paged_attention.py`` (gather + SDPA vs the in-place kernels,
+decodes and a prefill chunk) and ``benchmarks/piggyback.py`` (every step kind against its
+floors, with the kernels it ran on)."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ def make_linear(w: torch.Tensor, b: torch.Tensor | None, kind: str) -> Linear:
 @pytest.mark.parametrize("rows", [1, 3, 5, 6, 7, 13, 16, 17, 33, 64, 127, 128, 600])
 def test_every_kind_equals_f_linear(kind, rows):
     torch.manual_seed(rows)
-    w, b = torch.randn(1024, 300), torch.randn(1024)  # K = 300: not a multiple of the 16-float line
+    w, b = torch.randn(1024, 300), torch.randn(1024)  # K = 300: no multiple of 16
     x = torch.randn(300, rows).t()  # [rows, 300], non-contiguous
     lin = make_linear(w, b, kind)
     assert lin.kind == kind.removesuffix("-avx2") and lin.is_packed == (kind != "f_linear")

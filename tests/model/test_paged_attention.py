@@ -1,9 +1,10 @@
 """Decode attention that reads the paged KV cache in place equals SDPA over the same K/V laid
-out contiguously: shuffled (non-contiguous) block tables, a partial last block, GQA, mixed
-context lengths, block sizes 1, 16 and 256; so does prefill-chunk attention (both its AVX-512
-and AVX2 builds), first and later chunks, block sizes 1, 5, 16 and 256; and a whole hybrid micro-batch through
-the ``cpu_paged`` backend equals the ``torch`` backend. Without the kernel the backend falls
-back to ``torch``. The FlexAttention path (CUDA's without flash-attn) checked eagerly."""
+out contiguously (both its AVX-512 and AVX2 builds): shuffled (non-contiguous) block tables,
+a partial last block, GQA, head_dim 32 to 256, mixed context lengths, block sizes 1, 5, 16
+and 256; so does prefill-chunk attention (both builds), first and later chunks, block sizes
+1, 5, 16 and 256; and a whole hybrid micro-batch through the ``cpu_paged`` backend equals
+the ``torch`` backend. Without the kernel the backend falls back to ``torch``. The
+FlexAttention path (CUDA's without flash-attn) checked eagerly."""
 
 from __future__ import annotations
 
