@@ -18,6 +18,7 @@ from sarathi_pp.model_spec import ModelSpec
 from sarathi_pp.stages import fused_cpu
 from sarathi_pp.stages.attention import ATTENTION_BACKENDS, AttentionMetadata
 from sarathi_pp.stages.kv_cache import KVCache
+from sarathi_pp.stages.layers_cpu import LayerLoop
 from sarathi_pp.stages.linear import Linear
 from sarathi_pp.stages.rope import RotaryEmbedding, apply_rotary
 from sarathi_pp.stages.weights import EMBED, LM_HEAD, NORM, load_tensors, stage_tensor_names
@@ -185,6 +186,7 @@ class StageModel:
             for i in range(layer_start, layer_end)
         ]
         self.dtype, self.device = dtype, device
+        self._loop: tuple[KVCache, LayerLoop | None] | None = None  # built at the first forward
 
     @property
     def num_layers(self) -> int:
@@ -208,11 +210,29 @@ class StageModel:
         ``[num_tokens, hidden]``. Returns hidden states ``[num_tokens, hidden]`` (before the
         final norm)."""
         x = F.embedding(inputs, self.embed) if self.is_first else inputs
+        loop = self.layer_loop(kv)
+        if loop is not None and loop.applies(meta):
+            # The loop updates x in place: the embedding's output is ours, hidden states are not.
+            return loop(
+                x if self.is_first else x.clone(memory_format=torch.contiguous_format), meta
+            )
+        return self.forward_layers(x, meta, kv)
+
+    def forward_layers(self, x: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        """The layers op by op from Python: where the layer loop does not apply (and the
+        tests' reference for it)."""
         rotation = self.ops.rotation(meta.positions)
         for idx, layer in enumerate(self.layers):
             k_cache, v_cache = kv.flat(idx)
             x = layer(x, rotation, k_cache, v_cache, meta)
         return x
+
+    def layer_loop(self, kv: KVCache) -> LayerLoop | None:
+        """The layers as one C call with cache ``kv`` (``layers_cpu``), or None where it does
+        not apply; built once per cache (the attention backend is set with the cache)."""
+        if self._loop is None or self._loop[0] is not kv:
+            self._loop = (kv, LayerLoop.build(self, kv))
+        return self._loop[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden``: ``[num_sampled, hidden]`` rows to sample from -> float32 logits."""

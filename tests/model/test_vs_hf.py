@@ -137,9 +137,10 @@ def test_torch_ops_without_the_cpu_kernels_match_hf(llama_dir, monkeypatch):
 def test_packed_weights_and_lm_head_match_hf(tiny_model, variant, monkeypatch):
     """The test models' weights are below ``MIN_PACKED_ELEMENTS`` (``F.linear``): with the
     threshold at 1 every layer weight and the lm_head take the packed kernels the real models
-    take, and stay exact. Tied embeddings on one stage keep the lm_head unpacked (it is the
-    embedding the stage looks tokens up in)."""
-    from sarathi_pp.stages import linear
+    take, and stay exact (with the panel kernel the layers run as the layer loop). Tied
+    embeddings on one stage keep the lm_head unpacked (it is the embedding the stage looks
+    tokens up in)."""
+    from sarathi_pp.stages import layers_cpu, linear
 
     monkeypatch.setattr(linear, "MIN_PACKED_ELEMENTS", 1)
     model_dir = tiny_model(variant)
@@ -149,6 +150,9 @@ def test_packed_weights_and_lm_head_match_hf(tiny_model, variant, monkeypatch):
     kinds = {lin.kind for lyr in model.layers for lin in (lyr.qkv, lyr.o, lyr.gate_up, lyr.down)}
     if linear.available_kinds() != ["f_linear"]:  # oneDNN or the panel kernel here
         assert "f_linear" not in kinds
+    if kinds == {"panel_gemm"} and layers_cpu.load_loop() is not None:
+        # the layers ran as one C call (``layers_cpu``), with the kernels below it
+        assert model.layer_loop(llm.engine.executor.worker.kv) is not None
     if variant == "qwen2":  # tied
         assert model.lm_head.kind == "f_linear" and model.lm_head.weight is model.embed
     else:
