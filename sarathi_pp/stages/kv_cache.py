@@ -8,17 +8,17 @@ Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import logging
 import math
 import mmap
 import sys
 import time
-from functools import cache
 
 import numpy as np
 import torch
+
+from sarathi_pp.stages import host_pages
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,8 @@ class KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        for t in self.k + self.v:  # before any page is touched (Note [huge pages])
+            host_pages.advise_huge(t)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefault_s: float | None = None  # seconds ``prefault`` took; None: not done
@@ -108,7 +110,7 @@ def _madvise_populate(addr: int, nbytes: int) -> bool:
     the kernel or platform lacks it. ``MemoryError`` with the size when memory runs out."""
     if not sys.platform.startswith("linux"):
         return False
-    libc = _libc()
+    libc = host_pages.libc()
     if libc is None:
         return False
     page = mmap.PAGESIZE
@@ -124,14 +126,3 @@ def _madvise_populate(addr: int, nbytes: int) -> bool:
             "kv_cache_memory or num_kv_blocks"
         )
     return False  # EINVAL: a kernel before 5.14
-
-
-@cache
-def _libc() -> ctypes.CDLL | None:
-    """The C library with ``madvise``'s signature, errno kept; None where it is not found."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    libc = ctypes.CDLL(name, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc

@@ -108,6 +108,7 @@ import torch
 import torch.nn.functional as F
 
 from sarathi_pp.stages.cpu_kernels import KernelUnavailable, build, cpu_flags
+from sarathi_pp.stages.host_pages import empty_huge
 
 log = logging.getLogger(__name__)
 
@@ -343,7 +344,8 @@ class Linear:
                 raise ValueError(f"panel_gemm cannot apply a {tuple(weight.shape)} weight here")
             self._gemm = load_gemm()
             n, k = weight.shape
-            self.packed = weight.reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+            self.packed = empty_huge((n // PANEL, k, PANEL), weight.dtype)  # Note [huge pages]
+            self.packed.copy_(weight.reshape(n // PANEL, PANEL, k).transpose(1, 2))
         elif self.kind == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
         elif self.kind == "f_linear":

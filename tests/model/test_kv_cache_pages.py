@@ -3,7 +3,8 @@ written, in transparent huge pages where Linux offers them on request: numpy adv
 ``MADV_HUGEPAGE`` for its large buffers (``np.zeros``; torch's allocator does not unless
 ``THP_MEM_ALLOC_ENABLE=1``). Attention reads blocks scattered over the cache, so a
 replacement allocator must keep both properties: one layer of 32 x 1k decode attention ran
-3-14% slower on a cache of 4 KiB pages (interleaved in one process)."""
+3-14% slower on a cache of 4 KiB pages (interleaved in one process). The packed weights ask for
+huge pages too (``host_pages.empty_huge``: aligned to 2 MB), unless switched off."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sarathi_pp.stages import kv_cache
+from sarathi_pp.stages import host_pages, kv_cache
 from sarathi_pp.stages.kv_cache import KVCache
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -134,3 +135,38 @@ def test_prefault_through_the_engine_maps_the_cache_and_changes_no_output(llama_
         finally:
             llm.shutdown()
     assert outs[True] == outs[False] and len(set(map(tuple, outs[True]))) == 2
+
+
+needs_thp = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or thp_mode() in (None, "never"),
+    reason=f"transparent huge pages not offered here (mode {thp_mode()})",
+)
+
+
+@needs_thp
+def test_packed_weights_start_on_a_huge_page_and_stay_exact():
+    """``Linear``'s packed panel weight (``host_pages.empty_huge``): on a 2 MB boundary,
+    eligible for huge pages, the same values."""
+    from sarathi_pp.stages.linear import Linear, panel_gemm_applies
+
+    w = torch.randn(1024, 1536)  # 6 MiB
+    if not panel_gemm_applies(w):
+        pytest.skip("the panel GEMM kernel does not load here")
+    lin = Linear(w, kind="panel_gemm")
+    assert lin.packed is not None and lin.packed.data_ptr() % host_pages.HUGE_PAGE == 0
+    assert smaps_field(lin.packed.data_ptr() + (2 << 20), "THPeligible") == "1"
+    x = torch.randn(5, 1536)
+    torch.testing.assert_close(lin(x), x @ w.T, atol=1e-4, rtol=1e-5)
+
+
+@needs_thp
+def test_empty_huge_below_a_huge_page_or_switched_off_is_plain(monkeypatch):
+    t = host_pages.empty_huge((3 << 20,), torch.uint8)
+    assert t.data_ptr() % host_pages.HUGE_PAGE == 0 and t.shape == (3 << 20,)
+    assert host_pages.advise_huge(t)
+    small = host_pages.empty_huge((1000,), torch.float32)
+    assert small.shape == (1000,) and small.untyped_storage().nbytes() == 4000
+    monkeypatch.setenv(host_pages.SWITCH, "0")
+    off = host_pages.empty_huge((3 << 20,), torch.uint8)
+    assert off.untyped_storage().nbytes() == 3 << 20  # no 2 MB of slack: plain torch.empty
+    assert not host_pages.advise_huge(t)
