@@ -15,8 +15,12 @@ weights per layer through the caches, so the interpreter and torch's dispatcher 
 every time. Of that step's 33 ms, the linears took 18 ms and the attention kernel 8.2 ms;
 ~6 ms were the Python between and around the kernels (norms, rotary, SiLU and adds 3 ms,
 the attention's wrapper 1.5 ms, the linears' wrappers the rest). The loop removes that time
-from every step; a model of many small layers (SmolLM2-135M: 30 layers of hidden 576) gains
-the most.
+from every step. Measured with it off and on alternated (the same machine and day; README,
+issue 15's eighth round): ``benchmarks/piggyback.py`` decode-only steps at 600 tokens of
+context, 16 decodes 32.4-33.2 -> 26.8-29.9 ms, 1 decode 17.0-19.3 -> 14.9-16.1 ms, 32 x 1 k
+66.0 / 66.6 -> 58.8 / 55.8 ms; prefill and hybrid steps no slower; ``make demo``'s
+``generate`` (SmolLM2-135M, 30 layers of hidden 576) at PP=1 29.7 / 26.5 -> 33.8 / 32.4
+tokens/s, at PP=2 33.5 / 32.8 -> 35.3 / 34.5 (two stages and the driver on 2 cores).
 
 Applies (``LayerLoop.build``) when every layer's linears are ``panel_gemm``, the element-wise
 ops are ``fused_cpu``'s and attention is ``cpu_paged`` with its kernels built; per
