@@ -201,11 +201,16 @@ def rotary_(
         pos.data_ptr(), cos.shape[0], torch.get_num_threads(),
     )  # fmt: skip
     if failed:
-        raise IndexError(
-            f"rotary: a position outside [0, {cos.shape[0]}) "
-            f"(min {int(pos.min())}, max {int(pos.max())})"
-        )
+        raise position_error(pos, cos.shape[0])
     return x
+
+
+def position_error(positions: torch.Tensor, max_positions: int) -> IndexError:
+    """The error for rotary positions outside the tables ``[0, max_positions)``."""
+    return IndexError(
+        f"rotary: a position outside [0, {max_positions}) "
+        f"(min {int(positions.min())}, max {int(positions.max())})"
+    )
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

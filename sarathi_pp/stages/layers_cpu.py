@@ -98,9 +98,10 @@ typedef struct {  /* the micro-batch's rows: prefill chunks first, then one row 
     const int64_t *decode_lens;
 } batch_t;
 
-/* x [rows, hidden] <- the layers applied to it, in place. ws: rows x layer_loop_ws_floats()
-   floats of scratch. Returns 0; 1 when a kernel could not allocate its scratch memory; 2 when
-   a position is outside the rotary tables; 3 when a kernel the rows need is missing. */
+/* x [rows, hidden] <- the layers applied to it, in place. ws: rows x ws_floats() floats of
+   scratch (ws_floats in Python sums the buffers laid out below). Returns 0; 1 when a kernel
+   could not allocate its scratch memory; 2 when a position is outside the rotary tables; 3
+   when a kernel the rows need is missing. */
 int layer_loop_f32(const kernels_t *kn, const layer_t *layers, int num_layers, const dims_t *d,
                    const batch_t *b, float *x, float *ws, int nt) {
     const int64_t R = b->rows, H = d->hidden, I = d->inter;
@@ -225,7 +226,6 @@ class LayerLoop:
             _address(lib.silu_mul_f32), _address(decode), _address(prefill) if prefill else None,
         )  # fmt: skip
         self.has_prefill = prefill is not None
-        self.kv = kv
         self.num_slots = kv.num_blocks * kv.block_size
         self._keep = [rope.cos, rope.sin]  # what the pointers below point into
         entries = []
@@ -288,11 +288,10 @@ class LayerLoop:
             self._ws = torch.empty(need)
         positions = meta.positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
-        lo, hi = torch.aminmax(slots) if rows else (torch.tensor(0), torch.tensor(0))
-        if rows and (int(lo) < 0 or int(hi) >= self.num_slots):  # C would write out of bounds
-            raise IndexError(
-                f"layer loop: a KV slot outside [0, {self.num_slots}): {int(lo)}..{int(hi)}"
-            )
+        if rows:  # C would write out of bounds
+            lo, hi = (int(t) for t in torch.aminmax(slots))
+            if lo < 0 or hi >= self.num_slots:
+                raise IndexError(f"layer loop: a KV slot outside [0, {self.num_slots}): {lo}..{hi}")
         keep = [positions, slots]  # every tensor the pointers below point into, alive
         n_pre = len(meta.prefills)
         batch = _Batch(rows, positions.data_ptr(), slots.data_ptr(), n_pre)
@@ -323,10 +322,7 @@ class LayerLoop:
         if rc == 1:
             raise MemoryError("layer loop: a kernel could not allocate its scratch memory")
         if rc == 2:
-            raise IndexError(
-                f"rotary: a position outside [0, {self.dims.max_positions}) "
-                f"(min {int(positions.min())}, max {int(positions.max())})"
-            )
+            raise fused_cpu.position_error(positions, self.dims.max_positions)
         if rc:
             raise RuntimeError(f"layer loop: a kernel the rows need is missing (code {rc})")
         return x
