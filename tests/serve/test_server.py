@@ -214,9 +214,20 @@ def test_disconnect_mid_stream_frees_the_blocks(server) -> None:
     assert not engine.has_unfinished_requests()
 
 
-def test_disconnect_while_waiting_for_a_whole_answer_aborts_it(server) -> None:
-    blocks = server.engine_loop.engine.scheduler.block_manager
+def test_disconnect_while_waiting_for_a_whole_answer_aborts_it(server, monkeypatch) -> None:
+    engine = server.engine_loop.engine
+    blocks = engine.scheduler.block_manager
     registry = server.engine_loop.metrics.registry
+    # Each step made >= 5 ms, so the 500 tokens take >= 2.5 s: the answer cannot finish
+    # ("length") before the server's disconnect poll (``app.DISCONNECT_POLL_S``) sees the
+    # client gone. Unslowed, the test model's steps on a quiet machine raced that poll.
+    submit = engine.executor.submit
+
+    def slow_submit(microbatch):
+        time.sleep(0.005)
+        return submit(microbatch)
+
+    monkeypatch.setattr(engine.executor, "submit", slow_submit)
 
     def num_aborted() -> float:
         labels = {"finish_reason": "abort"}
