@@ -31,7 +31,13 @@ per token fed, 2 x hidden x vocab per sampled row, 4 x context x hidden per toke
 for attention) divided by that time, against the machine's fp32 matmul rate measured here.
 Our steps are also timed one by one (a wrapper around ``StageWorker.execute``), so FLOP/s is
 shown per kind of step (prefill-only, hybrid, decode-only) and the time outside the model
-(scheduling, bookkeeping) is the wall time of our ``generate`` minus the step times.
+(scheduling, bookkeeping) is the wall time of our ``generate`` minus the step times. Each
+step has two floors (``common.floor_s``): its FLOPs at the matmul rate and its bytes (the
+weights once, every chunk's K/V context once) at the copy rate, both measured in this run;
+a kind's "larger floor" sums each step's larger one. Decode-only steps are also shown by
+their number of decodes, with the floor that binds each size: with few decodes a step
+reads more than it computes, with many it computes more (the machine's FLOPs per byte
+decide where).
 
 Run from the repository root: ``python benchmarks/vs_hf.py [--quick]``.
 """
@@ -43,6 +49,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 
@@ -68,7 +75,7 @@ from sarathi_pp import LLM, SamplingParams  # noqa: E402
 from sarathi_pp.bench.runner import request_params  # noqa: E402
 from sarathi_pp.bench.workload import BenchRequest, Workload  # noqa: E402
 from sarathi_pp.microbatch import MicroBatch  # noqa: E402
-from sarathi_pp.model_spec import ModelSpec  # noqa: E402
+from sarathi_pp.model_spec import DTYPE_BYTES, ModelSpec  # noqa: E402
 from sarathi_pp.outputs import RequestOutput  # noqa: E402
 
 WORKLOAD = "configs/workloads/mixed.yaml"
@@ -105,14 +112,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class Step(NamedTuple):
+    """One ``StageWorker.execute`` call."""
+
+    seconds: float
+    flops: int
+    nbytes: int  # common.step_bytes: the weights once + every chunk's K/V context once
+    num_decodes: int
+    context: int  # tokens of K/V the step's chunks attend over, summed
+
+
 @dataclass
 class StepTotals:
-    """Our ``StageWorker.execute`` calls, keyed by the micro-batch's kind (prefill, hybrid, decode)."""
+    """Our ``StageWorker.execute`` calls, keyed by the micro-batch's kind (prefill, hybrid,
+    decode); ``steps`` keeps each call, so every step can be held to its own floors."""
 
     step_s: dict[str, float] = field(default_factory=dict)
     step_flops: dict[str, int] = field(default_factory=dict)
     step_bytes: dict[str, int] = field(default_factory=dict)  # common.step_bytes, summed
     num_steps: dict[str, int] = field(default_factory=dict)
+    steps: dict[str, list[Step]] = field(default_factory=dict)
+
+    def add(self, kind: str, step: Step) -> None:
+        self.step_s[kind] = self.step_s.get(kind, 0.0) + step.seconds
+        self.step_flops[kind] = self.step_flops.get(kind, 0) + step.flops
+        self.step_bytes[kind] = self.step_bytes.get(kind, 0) + step.nbytes
+        self.num_steps[kind] = self.num_steps.get(kind, 0) + 1
+        self.steps.setdefault(kind, []).append(step)
+
+
+def larger_floor_s(steps: list[Step], gflops: float, gbps: float) -> float:
+    """The sum over ``steps`` of each step's larger floor: what the steps could take at
+    best (a step is held to whichever of its compute and bandwidth floors is larger)."""
+    return sum(max(floor_s(s.flops, s.nbytes, gflops, gbps)) for s in steps)
 
 
 @dataclass
@@ -167,14 +199,18 @@ def time_steps(worker, spec: ModelSpec, totals: StepTotals) -> None:
     def timed(microbatch: MicroBatch, *rest):
         t0 = time.perf_counter()
         out = execute(microbatch, *rest)
-        kind = microbatch.kind
-        totals.step_s[kind] = totals.step_s.get(kind, 0.0) + time.perf_counter() - t0
-        totals.step_flops[kind] = totals.step_flops.get(kind, 0) + microbatch_flops(
-            spec, microbatch
+        seconds = time.perf_counter() - t0
+        chunks = microbatch.chunks
+        totals.add(
+            microbatch.kind,
+            Step(
+                seconds,
+                microbatch_flops(spec, microbatch),
+                step_bytes(spec, dtype, microbatch),
+                microbatch.num_decode_tokens,
+                sum(c.end for c in chunks),
+            ),
         )
-        nbytes = step_bytes(spec, dtype, microbatch)
-        totals.step_bytes[kind] = totals.step_bytes.get(kind, 0) + nbytes
-        totals.num_steps[kind] = totals.num_steps.get(kind, 0) + 1
         return out
 
     worker.execute = timed
@@ -258,15 +294,17 @@ def print_flops(runs: list[RunResult], total_flops: int, measured: list[dict[str
     return peak_gflops
 
 
-def print_step_breakdown(ours: RunResult, peak_gflops: float, gbps: float) -> None:
+def print_step_breakdown(ours: RunResult, peak_gflops: float, gbps: float, dtype: str) -> None:
     """Our FLOP/s by kind of step against both floors (``common.floor_s``; ``gbps``: the copy
-    rate measured in this run), and the time spent outside ``StageWorker.execute``."""
+    rate measured in this run), the decode-only steps by size, and the time spent outside
+    ``StageWorker.execute``."""
     print(
         f"{'sarathi-pp steps':<16} {'steps':>6} {'time s':>8} {'GFLOP':>8} {'GFLOP/s':>8} "
-        f"{'of peak':>8} {'compute':>8} {'bandwidth':>9} {'time /':>7}"
+        f"{'of peak':>8} {'compute':>8} {'bandwidth':>9} {'larger':>8} {'time /':>7}"
     )
     print(
-        f"{'':<16} {'':>6} {'':>8} {'':>8} {'':>8} {'':>8} {'floor s':>8} {'floor s':>9} {'floor':>7}"
+        f"{'':<16} {'':>6} {'':>8} {'':>8} {'':>8} {'':>8} {'floor s':>8} {'floor s':>9} "
+        f"{'floor s':>8} {'larger':>7}"
     )
     steps = ours.steps
     for kind in ("prefill", "hybrid", "decode"):
@@ -276,23 +314,73 @@ def print_step_breakdown(ours: RunResult, peak_gflops: float, gbps: float) -> No
         secs, flops = steps.step_s[kind], steps.step_flops[kind]
         rate = flops / secs / 1e9
         compute, bandwidth = floor_s(flops, steps.step_bytes[kind], peak_gflops, gbps)
+        larger = larger_floor_s(steps.steps[kind], peak_gflops, gbps)
         print(
             f"{kind:<16} {n:>6} {secs:>8.2f} {flops / 1e9:>8.0f} {rate:>8.1f} {rate / peak_gflops:>8.1%} "
-            f"{compute:>8.2f} {bandwidth:>9.2f} {secs / max(compute, bandwidth):>6.2f}x"
+            f"{compute:>8.2f} {bandwidth:>9.2f} {larger:>8.2f} {secs / larger:>6.2f}x"
         )
+    print(
+        "  larger floor: each step's larger floor (compute or bandwidth), summed over the "
+        "kind's steps"
+    )
     if steps.num_steps.get("decode", 0):  # issue 15's target names the bandwidth floor
         secs = steps.step_s["decode"]
         compute, bandwidth = floor_s(
             steps.step_flops["decode"], steps.step_bytes["decode"], peak_gflops, gbps
         )
+        larger = larger_floor_s(steps.steps["decode"], peak_gflops, gbps)
         print(
             f"decode-only steps: {secs / bandwidth:.2f}x their bandwidth floor, "
-            f"{secs / compute:.2f}x their compute floor (time / floor above: the larger floor)"
+            f"{secs / compute:.2f}x their compute floor, {secs / larger:.2f}x their larger "
+            f"floors (by size below)"
         )
+        print_decode_sizes(steps.steps["decode"], peak_gflops, gbps, DTYPE_BYTES[dtype])
     in_steps = sum(steps.step_s.values())
     print(
         f"outside StageWorker.execute (scheduler, bookkeeping, outputs): "
         f"{ours.wall_s - in_steps:.2f} s of {ours.wall_s:.2f} s generate() wall"
+    )
+
+
+DECODE_SIZES = ((1, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 128), (129, 1 << 30))
+
+
+def print_decode_sizes(
+    decode_steps: list[Step], peak_gflops: float, gbps: float, weight_bytes: int
+) -> None:
+    """Decode-only steps grouped by their number of decodes: per step, its time and both
+    floors. A step of B decodes multiplies B rows by every weight: its FLOPs grow with B and
+    its bytes barely (the weights dominate), so from some B on the compute floor is the
+    larger one: 2 B FLOPs per weight of ``weight_bytes`` bytes, so about where
+    2 B / weight_bytes passes the machine's FLOPs per byte, peak / copy rate (the K/V read
+    moves it up a little)."""
+    print(
+        f"  {'decodes':<9} {'steps':>5} {'time s':>7} {'ms/step':>8} {'context':>8} "
+        f"{'compute':>8} {'bandwidth':>9} {'time /':>7} {'time /':>7}   bound"
+    )
+    print(
+        f"  {'':<9} {'':>5} {'':>7} {'':>8} {'/ decode':>8} {'ms/step':>8} {'ms/step':>9} "
+        f"{'bandw.':>7} {'compute':>7}"
+    )
+    for lo, hi in DECODE_SIZES:
+        group = [s for s in decode_steps if lo <= s.num_decodes <= hi]
+        if not group:
+            continue
+        n, secs = len(group), sum(s.seconds for s in group)
+        compute, bandwidth = floor_s(
+            sum(s.flops for s in group), sum(s.nbytes for s in group), peak_gflops, gbps
+        )
+        context = sum(s.context for s in group) / sum(s.num_decodes for s in group)
+        label = f"{lo}" if lo == hi else (f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+")
+        print(
+            f"  {label:<9} {n:>5} {secs:>7.2f} {1e3 * secs / n:>8.2f} {context:>8.0f} "
+            f"{1e3 * compute / n:>8.2f} {1e3 * bandwidth / n:>9.2f} {secs / bandwidth:>6.2f}x "
+            f"{secs / compute:>6.2f}x   {'compute' if compute > bandwidth else 'bandwidth'}"
+        )
+    print(
+        f"  (machine balance: {peak_gflops / gbps:.1f} FLOP per byte of the copy rate; a "
+        f"decode-only step is compute-bound from about "
+        f"{weight_bytes * peak_gflops / gbps / 2:.0f} decodes)"
     )
 
 
@@ -361,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{ours.span_s / floor:.2f}x it; copy rate {copy_before:.1f} GB/s before the runs, "
         f"best {gbps:.1f} (read + write)"
     )
-    print_step_breakdown(ours, peak, gbps)
+    print_step_breakdown(ours, peak, gbps, dtype)
     if not args.skip_hf:
         print_agreement(ours, runs[1])
     busy = " (busy: above the CPU count, rerun on a quiet machine)" if is_busy() else ""

@@ -1,8 +1,9 @@
 """The CPU kernels' benchmarks run end to end on small sizes and print every kind they
 compare, so they cannot rot: ``benchmarks/linear_rows.py`` (each ``Linear`` kind per weight
 and row count), ``benchmarks/paged_attention.py`` (gather + SDPA vs the in-place kernels,
-decodes and a prefill chunk) and ``benchmarks/piggyback.py`` (every step kind against its
-floors, with the kernels it ran on)."""
+decodes and a prefill chunk), ``benchmarks/piggyback.py`` (every step kind against its
+floors, with the kernels it ran on) and ``benchmarks/vs_hf.py`` (our side of it: the step
+kinds and the decode-only steps by size against their floors)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,21 @@ def test_piggyback_benchmark_prints_every_step_against_its_floors():
     ]  # fmt: skip
     fused = "cpu_fused" if load_fused() is not None else "torch"
     assert f"element-wise ops: {fused}" in out and "floors: matmul" in out
+
+
+def test_vs_hf_prints_steps_and_decode_sizes_against_their_floors():
+    """``--quick --skip-hf`` on the embedded model: ~25 s. The decode-only steps grouped by
+    size add up to the decode row; each group names the floor that binds it."""
+    out = run("vs_hf.py", "--quick", "--skip-hf", "--no-prefault", "--threads", "1")
+    lines = out.splitlines()
+    kinds = {ln.split()[0]: ln.split() for ln in lines if ln.split()[:1] in (["prefill"], ["hybrid"], ["decode"])}  # fmt: skip
+    assert "decode" in kinds and float(kinds["decode"][-1].rstrip("x")) > 0
+    start = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["decodes", "steps"])
+    groups = []
+    for ln in lines[start + 2 :]:
+        if ln.strip().startswith("(machine balance"):
+            break
+        groups.append(ln.split())
+    assert groups and all(g[-1] in ("compute", "bandwidth") for g in groups)
+    assert sum(int(g[1]) for g in groups) == int(kinds["decode"][1])
+    assert "decode-only steps:" in out and "compute-bound from about" in out
