@@ -122,23 +122,20 @@ class Step(NamedTuple):
     context: int  # tokens of K/V the step's chunks attend over, summed
 
 
+def total(steps: list[Step]) -> Step:
+    """``steps`` (at least one) summed field by field."""
+    return Step(*(sum(column) for column in zip(*steps, strict=True)))
+
+
 @dataclass
 class StepTotals:
-    """Our ``StageWorker.execute`` calls, keyed by the micro-batch's kind (prefill, hybrid,
-    decode); ``steps`` keeps each call, so every step can be held to its own floors."""
+    """Our ``StageWorker.execute`` calls, each kept (so every step can be held to its own
+    floors), keyed by the micro-batch's kind (prefill, hybrid, decode)."""
 
-    step_s: dict[str, float] = field(default_factory=dict)
-    step_flops: dict[str, int] = field(default_factory=dict)
-    step_bytes: dict[str, int] = field(default_factory=dict)  # common.step_bytes, summed
-    num_steps: dict[str, int] = field(default_factory=dict)
-    steps: dict[str, list[Step]] = field(default_factory=dict)
+    by_kind: dict[str, list[Step]] = field(default_factory=dict)
 
     def add(self, kind: str, step: Step) -> None:
-        self.step_s[kind] = self.step_s.get(kind, 0.0) + step.seconds
-        self.step_flops[kind] = self.step_flops.get(kind, 0) + step.flops
-        self.step_bytes[kind] = self.step_bytes.get(kind, 0) + step.nbytes
-        self.num_steps[kind] = self.num_steps.get(kind, 0) + 1
-        self.steps.setdefault(kind, []).append(step)
+        self.by_kind.setdefault(kind, []).append(step)
 
 
 def larger_floor_s(steps: list[Step], gflops: float, gbps: float) -> float:
@@ -306,36 +303,33 @@ def print_step_breakdown(ours: RunResult, peak_gflops: float, gbps: float, dtype
         f"{'':<16} {'':>6} {'':>8} {'':>8} {'':>8} {'':>8} {'floor s':>8} {'floor s':>9} "
         f"{'floor s':>8} {'larger':>7}"
     )
-    steps = ours.steps
+    by_kind = ours.steps.by_kind
+    over = {}  # kind -> its time over its (bandwidth, compute, larger) floor
     for kind in ("prefill", "hybrid", "decode"):
-        n = steps.num_steps.get(kind, 0)
-        if not n:
+        if kind not in by_kind:
             continue
-        secs, flops = steps.step_s[kind], steps.step_flops[kind]
-        rate = flops / secs / 1e9
-        compute, bandwidth = floor_s(flops, steps.step_bytes[kind], peak_gflops, gbps)
-        larger = larger_floor_s(steps.steps[kind], peak_gflops, gbps)
+        t = total(by_kind[kind])
+        rate = t.flops / t.seconds / 1e9
+        compute, bandwidth = floor_s(t.flops, t.nbytes, peak_gflops, gbps)
+        larger = larger_floor_s(by_kind[kind], peak_gflops, gbps)
         print(
-            f"{kind:<16} {n:>6} {secs:>8.2f} {flops / 1e9:>8.0f} {rate:>8.1f} {rate / peak_gflops:>8.1%} "
-            f"{compute:>8.2f} {bandwidth:>9.2f} {larger:>8.2f} {secs / larger:>6.2f}x"
+            f"{kind:<16} {len(by_kind[kind]):>6} {t.seconds:>8.2f} {t.flops / 1e9:>8.0f} {rate:>8.1f} "
+            f"{rate / peak_gflops:>8.1%} {compute:>8.2f} {bandwidth:>9.2f} {larger:>8.2f} "
+            f"{t.seconds / larger:>6.2f}x"
         )
+        over[kind] = (t.seconds / bandwidth, t.seconds / compute, t.seconds / larger)
     print(
         "  larger floor: each step's larger floor (compute or bandwidth), summed over the "
         "kind's steps"
     )
-    if steps.num_steps.get("decode", 0):  # issue 15's target names the bandwidth floor
-        secs = steps.step_s["decode"]
-        compute, bandwidth = floor_s(
-            steps.step_flops["decode"], steps.step_bytes["decode"], peak_gflops, gbps
-        )
-        larger = larger_floor_s(steps.steps["decode"], peak_gflops, gbps)
+    if "decode" in by_kind:  # issue 15's target names the bandwidth floor
+        bandwidth_x, compute_x, larger_x = over["decode"]
         print(
-            f"decode-only steps: {secs / bandwidth:.2f}x their bandwidth floor, "
-            f"{secs / compute:.2f}x their compute floor, {secs / larger:.2f}x their larger "
-            f"floors (by size below)"
+            f"decode-only steps: {bandwidth_x:.2f}x their bandwidth floor, {compute_x:.2f}x "
+            f"their compute floor, {larger_x:.2f}x their larger floors (by size below)"
         )
-        print_decode_sizes(steps.steps["decode"], peak_gflops, gbps, DTYPE_BYTES[dtype])
-    in_steps = sum(steps.step_s.values())
+        print_decode_sizes(by_kind["decode"], peak_gflops, gbps, DTYPE_BYTES[dtype])
+    in_steps = sum(total(steps).seconds for steps in by_kind.values())
     print(
         f"outside StageWorker.execute (scheduler, bookkeeping, outputs): "
         f"{ours.wall_s - in_steps:.2f} s of {ours.wall_s:.2f} s generate() wall"
@@ -366,11 +360,10 @@ def print_decode_sizes(
         group = [s for s in decode_steps if lo <= s.num_decodes <= hi]
         if not group:
             continue
-        n, secs = len(group), sum(s.seconds for s in group)
-        compute, bandwidth = floor_s(
-            sum(s.flops for s in group), sum(s.nbytes for s in group), peak_gflops, gbps
-        )
-        context = sum(s.context for s in group) / sum(s.num_decodes for s in group)
+        n, t = len(group), total(group)
+        secs = t.seconds
+        compute, bandwidth = floor_s(t.flops, t.nbytes, peak_gflops, gbps)
+        context = t.context / t.num_decodes
         label = f"{lo}" if lo == hi else (f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+")
         print(
             f"  {label:<9} {n:>5} {secs:>7.2f} {1e3 * secs / n:>8.2f} {context:>8.0f} "

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from vs_hf import Step, StepTotals, larger_floor_s, print_decode_sizes  # noqa: E402
+from vs_hf import Step, StepTotals, larger_floor_s, print_decode_sizes, total  # noqa: E402
 
 GFLOPS, GBPS = 1.0, 1.0  # 1e9 FLOP/s and 1e9 B/s: a floor in seconds = GFLOP or GB
 
@@ -28,10 +28,15 @@ def test_totals_keep_every_step_by_kind():
     totals.add("decode", Step(1.0, 10, 20, 4, 40))
     totals.add("decode", Step(2.0, 30, 40, 8, 80))
     totals.add("hybrid", Step(4.0, 50, 60, 3, 500))
-    assert totals.num_steps == {"decode": 2, "hybrid": 1}
-    assert totals.step_s == {"decode": 3.0, "hybrid": 4.0}
-    assert totals.step_flops["decode"] == 40 and totals.step_bytes["decode"] == 60
-    assert [s.num_decodes for s in totals.steps["decode"]] == [4, 8]
+    by_kind = totals.by_kind
+    assert {kind: len(steps) for kind, steps in by_kind.items()} == {"decode": 2, "hybrid": 1}
+    assert {kind: total(steps).seconds for kind, steps in by_kind.items()} == {
+        "decode": 3.0,
+        "hybrid": 4.0,
+    }
+    assert total(by_kind["decode"]).flops == 40 and total(by_kind["decode"]).nbytes == 60
+    assert [s.num_decodes for s in by_kind["decode"]] == [4, 8]
+    assert total(by_kind["decode"]) == Step(3.0, 40, 60, 12, 120)
 
 
 def test_decode_sizes_name_the_floor_that_binds(capsys):
