@@ -10,6 +10,7 @@ is left, so no test can hang.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import multiprocessing as mp
 import queue
@@ -29,6 +30,8 @@ from sarathi_pp.comm.dist_setup import (
     pick_backend,
 )
 from sarathi_pp.comm.p2p import (
+    INITIAL_CAPACITY,
+    PACKED_HEADER_BYTES,
     StageCommError,
     StageMismatchError,
     StageTimeoutError,
@@ -114,11 +117,14 @@ SIZES = {0: 5, 1: 1, 2: 7, 3: 3, 4: 0, 5: 2}
 
 
 # --- worlds (module-level, so the forkserver children can import them) ---------------------
-def _many_in_flight(rank: int, world_size: int, finished: Any) -> Any:
+def _many_in_flight(rank: int, world_size: int, finished: Any, receive_ahead: bool) -> Any:
     import torch.distributed as dist
 
     # A window of at least the micro-batches in flight: no send waits (Note [send completion]).
-    t = StageTransport(rank, world_size, "cpu", timeout_s=10, max_pending_sends=len(SIZES))
+    t = StageTransport(
+        rank, world_size, "cpu", timeout_s=10, max_pending_sends=len(SIZES),
+        receive_ahead=receive_ahead,
+    )  # fmt: skip
     if rank == 0:
         for mb, n in SIZES.items():
             t.send(mb, hidden(mb, n))
@@ -148,8 +154,8 @@ def _backpressure(rank: int, world_size: int, finished: Any) -> Any:
     ]
 
 
-def _mismatches(rank: int, world_size: int, finished: Any) -> Any:
-    t = StageTransport(rank, world_size, "cpu", timeout_s=10)
+def _mismatches(rank: int, world_size: int, finished: Any, receive_ahead: bool) -> Any:
+    t = StageTransport(rank, world_size, "cpu", timeout_s=10, receive_ahead=receive_ahead)
     if rank == 0:
         t.send(0, hidden(0, 4))  # receiver expects micro-batch 1
         t.send(1, hidden(1, 5))  # receiver expects 4 tokens
@@ -164,6 +170,33 @@ def _mismatches(rank: int, world_size: int, finished: Any) -> Any:
         errors.append(str(info.value))
     ok = torch.equal(t.recv(3, 4, HIDDEN_SIZE, torch.float32), hidden(3, 4))
     return errors, ok
+
+
+# Payloads past the first receive posted ahead (Note [receive ahead]): rows of HIDDEN_SIZE
+# float32, so BIG rows are INITIAL_CAPACITY + 256 KiB and BIGGER rows more again.
+BIG = (INITIAL_CAPACITY + (1 << 18)) // (4 * HIDDEN_SIZE)
+BIGGER = BIG + 10_000
+
+
+def _oversized(rank: int, world_size: int, finished: Any) -> Any:
+    t = StageTransport(rank, world_size, "cpu", timeout_s=10)
+    sent = [(0, BIG), (1, BIG), (2, BIGGER), (3, 3), (4, BIGGER)]
+    if rank == 0:
+        for mb, n in sent:
+            t.send(mb, hidden(mb, n))
+        t.flush()
+        return t.receive_ahead, t._send_capacity
+    got = []
+    for mb, n in sent[:2]:  # too big for the first buffer posted ahead; then it fits
+        x = t.recv(mb, n, HIDDEN_SIZE, torch.float32)
+        got.append(torch.equal(x, hidden(mb, n)))
+    with pytest.raises(StageMismatchError) as info:  # bigger again: drained, not packed
+        t.recv(2, BIG, HIDDEN_SIZE, torch.float32)
+    for mb, n in sent[3:]:  # the channel is still aligned; BIGGER now fits
+        x = t.recv(mb, n, HIDDEN_SIZE, torch.float32)
+        got.append(torch.equal(x, hidden(mb, n)))
+    x.add_(1)  # the hidden states are the stage's to change (a view of the received buffer)
+    return t.receive_ahead, t._recv_capacity, got, str(info.value)
 
 
 def _wait_for_others(finished: Any, world_size: int) -> None:
@@ -225,8 +258,9 @@ def _relay(rank: int, world_size: int, finished: Any) -> Any:
 
 
 # --- tests ---------------------------------------------------------------------------------
-def test_many_microbatches_in_flight_arrive_intact_and_in_order():
-    out = values(run_world(_many_in_flight, 2))
+@pytest.mark.parametrize("receive_ahead", [True, False], ids=["packed", "header+payload"])
+def test_many_microbatches_in_flight_arrive_intact_and_in_order(receive_ahead):
+    out = values(run_world(functools.partial(_many_in_flight, receive_ahead=receive_ahead), 2))
     assert out[0] == len(SIZES)  # gloo never reports completion before a wait
     assert out[1] == [(mb, (n, HIDDEN_SIZE), True) for mb, n in SIZES.items()]
 
@@ -238,8 +272,10 @@ def test_sends_beyond_max_pending_wait_for_the_oldest():
     assert out[1] == [True] * 6
 
 
-def test_mismatched_id_shape_dtype_raise_naming_stage_and_values():
-    errors, ok = values(run_world(_mismatches, 2))[1]
+@pytest.mark.parametrize("receive_ahead", [True, False], ids=["packed", "header+payload"])
+def test_mismatched_id_shape_dtype_raise_naming_stage_and_values(receive_ahead):
+    world = functools.partial(_mismatches, receive_ahead=receive_ahead)
+    errors, ok = values(run_world(world, 2))[1]
     wrong_id, wrong_shape, wrong_dtype = errors
     assert wrong_id.startswith("stage 1: expected micro-batch 1 hidden [4, 8] float32 from stage 0")
     assert "received micro-batch 0 hidden [4, 8] float32 (differs in microbatch_id)" in wrong_id
@@ -248,6 +284,17 @@ def test_mismatched_id_shape_dtype_raise_naming_stage_and_values():
     assert "received micro-batch 2 hidden [4, 8] bfloat16 (differs in dtype)" in wrong_dtype
     assert all("could not be drained" not in e for e in errors)
     assert ok  # the bad payloads were drained: the next micro-batch is intact
+
+
+def test_payloads_past_the_receive_posted_ahead_follow_apart_and_grow_it_on_both_ends():
+    out = values(run_world(_oversized, 2))
+    (ahead0, send_capacity), (ahead1, recv_capacity, got, error) = out[0], out[1]
+    assert ahead0 and ahead1  # CPU tensors: received ahead by default
+    assert got == [True] * 4
+    assert f"received micro-batch 2 hidden [{BIGGER}, {HIDDEN_SIZE}] float32" in error
+    assert "differs in num_tokens" in error and "could not be drained" not in error
+    # Both ends grew the capacity from the same messages: the largest one.
+    assert send_capacity == recv_capacity == PACKED_HEADER_BYTES + BIGGER * HIDDEN_SIZE * 4
 
 
 def test_recv_and_send_without_peer_time_out_naming_stage_and_microbatch():
