@@ -133,7 +133,7 @@ def _payload_bytes(header: list[int]) -> int | None:
     dtype = _CODE_DTYPES.get(code)
     if dtype is None or num_tokens < 0 or hidden_size < 0:
         return None
-    return num_tokens * hidden_size * torch.empty((), dtype=dtype).element_size()
+    return num_tokens * hidden_size * dtype.itemsize
 
 
 def _dtype_name(code: int) -> str:
