@@ -199,6 +199,21 @@ def _oversized(rank: int, world_size: int, finished: Any) -> Any:
     return t.receive_ahead, t._recv_capacity, got, str(info.value)
 
 
+def _idle_past_timeout(rank: int, world_size: int, finished: Any) -> Any:
+    # The receive posted ahead for micro-batch 1 sits longer than the timeout before the
+    # stage waits on it (a server with no requests): the timeout counts from the wait.
+    t = StageTransport(rank, world_size, "cpu", timeout_s=RECV_TIMEOUT_S)
+    if rank == 0:
+        t.send(0, hidden(0, 4))
+        time.sleep(RECV_TIMEOUT_S + 1.0)
+        t.send(1, hidden(1, 4))
+        t.flush()
+        return None
+    first = torch.equal(t.recv(0, 4, HIDDEN_SIZE, torch.float32), hidden(0, 4))
+    time.sleep(RECV_TIMEOUT_S + 0.5)
+    return first, torch.equal(t.recv(1, 4, HIDDEN_SIZE, torch.float32), hidden(1, 4))
+
+
 def _wait_for_others(finished: Any, world_size: int) -> None:
     """Stay alive until every other rank is done: a peer that exits makes waits on it fail
     at once ("connection closed") instead of timing out."""
@@ -295,6 +310,10 @@ def test_payloads_past_the_receive_posted_ahead_follow_apart_and_grow_it_on_both
     assert "differs in num_tokens" in error and "could not be drained" not in error
     # Both ends grew the capacity from the same messages: the largest one.
     assert send_capacity == recv_capacity == PACKED_HEADER_BYTES + BIGGER * HIDDEN_SIZE * 4
+
+
+def test_a_receive_posted_ahead_longer_than_the_timeout_still_completes():
+    assert values(run_world(_idle_past_timeout, 2))[1] == (True, True)
 
 
 def test_recv_and_send_without_peer_time_out_naming_stage_and_microbatch():
