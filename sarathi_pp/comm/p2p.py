@@ -136,6 +136,11 @@ def _payload_bytes(header: list[int]) -> int | None:
     return num_tokens * hidden_size * dtype.itemsize
 
 
+def _packed_head(message: torch.Tensor) -> torch.Tensor:
+    """The int64 view of a packed message's header and oversized flag (Note [receive ahead])."""
+    return message[: (HEADER_LEN + 1) * 8].view(torch.int64)
+
+
 def _dtype_name(code: int) -> str:
     dtype = _CODE_DTYPES.get(code)
     return f"<unknown dtype code {code}>" if dtype is None else str(dtype).removeprefix("torch.")
@@ -260,8 +265,7 @@ class StageTransport:
         oversized = PACKED_HEADER_BYTES + nbytes > self._send_capacity
         self._send_capacity = _grown(self._send_capacity, PACKED_HEADER_BYTES + nbytes)
         message = torch.empty(PACKED_HEADER_BYTES + (0 if oversized else nbytes), dtype=torch.uint8)
-        head = message[: (HEADER_LEN + 1) * 8].view(torch.int64)
-        head.copy_(torch.tensor([*header, int(oversized)], dtype=torch.int64))
+        _packed_head(message).copy_(torch.tensor([*header, int(oversized)], dtype=torch.int64))
         if oversized:
             return [message, payload]
         if nbytes:
@@ -306,10 +310,10 @@ class StageTransport:
         ahead]); posts the next one before it returns, so that one arrives while the stage
         computes this one."""
         microbatch_id, num_tokens, hidden_size, _ = expected
-        work, buffer = self._ahead or self._post_ahead(f"micro-batch {microbatch_id}")
+        work, buffer = self._ahead or self._post_ahead(microbatch_id)
         self._ahead = None
         self._wait(work, microbatch_id, "recv", self.timeout_s)
-        head = buffer[: (HEADER_LEN + 1) * 8].view(torch.int64).tolist()
+        head = _packed_head(buffer).tolist()
         received, oversized = head[:HEADER_LEN], bool(head[HEADER_LEN])
         nbytes = _payload_bytes(received)
         if nbytes is not None:
@@ -323,27 +327,27 @@ class StageTransport:
         else:
             payload = buffer[PACKED_HEADER_BYTES : PACKED_HEADER_BYTES + (nbytes or 0)]
             hidden = payload.view(dtype).view(num_tokens, hidden_size)
-        self._ahead = self._post_ahead(f"the micro-batch after {microbatch_id}")
+        self._ahead = self._post_ahead(microbatch_id, after=True)
         return hidden
 
-    def _post_ahead(self, what: str) -> tuple[Any, torch.Tensor]:
-        """Post the receive of the next packed message (``what``: which, for the error)."""
+    def _post_ahead(self, microbatch_id: int, after: bool = False) -> tuple[Any, torch.Tensor]:
+        """Post the receive of the packed message of ``microbatch_id`` (``after``: of the
+        one after it, whatever its id) into a buffer of the receive-ahead capacity."""
         buffer = torch.empty(self._recv_capacity, dtype=torch.uint8, device=self.device)
-        try:
-            return dist.irecv(buffer, src=self._prev_rank, group=self.group), buffer
-        except Exception as e:  # noqa: BLE001 - e.g. the connection to the peer is gone
-            raise StageCommError(
-                f"stage {self.stage_idx}: posting the receive of {what} from stage "
-                f"{self.stage_idx - 1} failed: {e}"
-            ) from e
+        return self._irecv(buffer, microbatch_id, after), buffer
 
-    def _irecv(self, tensor: torch.Tensor, microbatch_id: int) -> Any:
+    def _irecv(self, tensor: torch.Tensor, microbatch_id: int, after: bool = False) -> Any:
         try:
             return dist.irecv(tensor, src=self._prev_rank, group=self.group)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - e.g. the connection to the peer is gone
+            what = (
+                f"the micro-batch after {microbatch_id}"
+                if after
+                else f"micro-batch {microbatch_id}"
+            )
             raise StageCommError(
-                f"stage {self.stage_idx}: receiving micro-batch {microbatch_id} from stage "
-                f"{self.stage_idx - 1} failed: {e}"
+                f"stage {self.stage_idx}: receiving {what} from stage {self.stage_idx - 1} "
+                f"failed: {e}"
             ) from e
 
     def _mismatch(self, expected: list[int], received: list[int], drain: bool = True) -> None:
