@@ -14,8 +14,12 @@ import pytest
 from sarathi_pp import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-LONG = SamplingParams(max_tokens=450, temperature=0.0, ignore_eos=True)  # ~2 s and more
+LONG = SamplingParams(max_tokens=450, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5 + i, 17, 33 + i, 2, 90 - i] * (3 + i) for i in range(4)]
+# The interrupted call must outlast the longest delay on the fastest machine: 24 LONG requests
+# took 0.63 s on a fast 2-core VM (and under 0.6 s in a CI run: the SIGINT came too late);
+# 240 take 5.6 s there. The test waits only for the delay, not for the run.
+INTERRUPTED = PROMPTS * 60
 
 
 pytestmark = pytest.mark.usefixtures("python_ctrl_c")
@@ -31,7 +35,7 @@ def check_recovers(llm: LLM, reference: list[list[int]], delay_s: float) -> None
     timer = interrupt_after(delay_s)
     try:
         with pytest.raises(KeyboardInterrupt):
-            llm.generate(PROMPTS * 6, LONG, use_tqdm=False)  # runs far longer than delay_s
+            llm.generate(INTERRUPTED, LONG, use_tqdm=False)  # runs far longer than delay_s
     finally:
         timer.cancel()
     engine = llm.engine
