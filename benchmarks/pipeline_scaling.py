@@ -30,7 +30,11 @@ call issue), ``executor.wait_oldest`` (blocked on the stages) and applying resul
 Ray is started here with worker niceness 0 (``start_local_ray``): at Ray's default of 15
 the stage actors lose the cores to any other process, PP=1 (in this process) does not.
 
-Run from the repository root: ``python benchmarks/pipeline_scaling.py [--quick]``.
+``--repeat N`` alternates the two runs N times and prints every pair's ratio with their
+median and range (the tables are the last pair's): on a noisy machine one pair's ratio can be
+off by 10% either way, so compare medians of alternated runs, not single runs.
+
+Run from the repository root: ``python benchmarks/pipeline_scaling.py [--quick] [--repeat N]``.
 """
 
 from __future__ import annotations
@@ -79,9 +83,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help=f"workload {QUICK_WORKLOAD}: checks the script"
     )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="PP=1 and the pipelined run alternated this many times: each pair's ratio, "
+        "their median and range (the tables are the last pair's)",
+    )
     args = p.parse_args(argv)
     args.schedule_ahead = {"true": True, "false": False}.get(args.schedule_ahead, "auto")
-    for name in ("num_stages", "threads_per_stage", "chunk_size"):
+    for name in ("num_stages", "threads_per_stage", "chunk_size", "repeat"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -383,13 +394,35 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.scheduler} scheduler, chunk {args.chunk_size}; PP={args.num_stages}: executor "
         f"{args.executor}, schedule_ahead {args.schedule_ahead}"
     )
-    runs = [run_one(args, n, requests, warm) for n in (1, args.num_stages)]
+    pairs = []
+    for i in range(args.repeat):  # alternated: a slow spell of the machine hits both sides
+        pairs.append([run_one(args, n, requests, warm) for n in (1, args.num_stages)])
+        if args.repeat > 1:
+            base, pp = pairs[-1]
+            print(f"pair {i + 1}/{args.repeat}: {base.name} {base.wall_s:.2f} s, {pp.name} "
+                  f"{pp.wall_s:.2f} s: {base.wall_s / pp.wall_s:.2f}x", flush=True)  # fmt: skip
+    runs = pairs[-1]
     print_throughput(runs, num_prompt_tokens, num_output_tokens)
     print_stages(runs)
     print_kinds(runs)
     print_driver(runs)
-    check_outputs(runs, requests)
+    for pair in pairs:
+        check_outputs(pair, requests)
+    if args.repeat > 1:
+        print_repeats(pairs)
     print(f"load avg (1 min) at the end: {load_average()}")
+
+
+def print_repeats(pairs: list[list[RunResult]]) -> None:
+    """The throughput ratio of every alternated pair, with their median and range: on a
+    noisy machine one pair can be off by 10% and more either way."""
+    ratios = [base.wall_s / pp.wall_s for base, pp in pairs]
+    name, base_name = pairs[0][1].name, pairs[0][0].name
+    print(
+        f"throughput ratio {name} / {base_name} over {len(pairs)} alternated pairs: median "
+        f"{statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x "
+        f"({', '.join(f'{r:.2f}' for r in ratios)})"
+    )
 
 
 if __name__ == "__main__":

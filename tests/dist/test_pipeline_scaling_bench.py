@@ -1,0 +1,34 @@
+"""``benchmarks/pipeline_scaling.py --quick --repeat 2`` (its short version): PP=1 and PP=2
+alternated twice on the embedded model, every pair's outputs as requested and identical,
+and the summary line names both pairs' ratios with their median and range."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_pipeline_scaling_alternates_the_pairs():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "pipeline_scaling.py"), "--quick",
+         "--repeat", "2"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    pairs = [float(x) for x in re.findall(r"^pair \d/2: .*: ([0-9.]+)x$", out, re.M)]
+    assert len(pairs) == 2 and all(r > 0 for r in pairs), out
+    checks = re.findall(
+        r"^outputs: lengths as requested in 2/2 runs; (\d+)/(\d+) requests identical", out, re.M
+    )
+    assert len(checks) == 2 and all(a == b for a, b in checks), out
+    summary = re.search(
+        r"over 2 alternated pairs: median ([0-9.]+)x, range ([0-9.]+)-([0-9.]+)x", out
+    )
+    assert summary, out
+    median, low, high = map(float, summary.groups())
+    assert low == min(pairs) and high == max(pairs) and low <= median <= high, out
