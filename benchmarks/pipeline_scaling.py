@@ -284,6 +284,12 @@ def median_gap_ms(spans: list[Span]) -> float:
     return 1e3 * statistics.median(gaps) if gaps else float("nan")
 
 
+def throughput_ratio(runs: list[RunResult]) -> float:
+    """PP=N's throughput over PP=1's for one pair of runs of the same work."""
+    base, pp = runs
+    return base.wall_s / pp.wall_s
+
+
 def print_throughput(runs: list[RunResult], num_prompt_tokens: int, num_gen_tokens: int) -> None:
     print(f"{'':<6} {'threads':>8} {'nice':>6} {'wall s':>8} {'gen tok/s':>10} {'all tok/s':>10}")
     for r in runs:
@@ -296,7 +302,7 @@ def print_throughput(runs: list[RunResult], num_prompt_tokens: int, num_gen_toke
     base, pp = runs
     num_stages = len(pp.stage_spans)
     print(
-        f"throughput ratio {pp.name} / {base.name}: {base.wall_s / pp.wall_s:.2f}x "
+        f"throughput ratio {pp.name} / {base.name}: {throughput_ratio(runs):.2f}x "
         f"(ideal {num_stages}x); pipeline efficiency = {base.name} wall / ({num_stages} x "
         f"{pp.name} wall) = {base.wall_s / (num_stages * pp.wall_s):.1%}"
     )
@@ -400,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.repeat > 1:
             base, pp = pairs[-1]
             print(f"pair {i + 1}/{args.repeat}: {base.name} {base.wall_s:.2f} s, {pp.name} "
-                  f"{pp.wall_s:.2f} s: {base.wall_s / pp.wall_s:.2f}x", flush=True)  # fmt: skip
+                  f"{pp.wall_s:.2f} s: {throughput_ratio(pairs[-1]):.2f}x", flush=True)  # fmt: skip
     runs = pairs[-1]
     print_throughput(runs, num_prompt_tokens, num_output_tokens)
     print_stages(runs)
@@ -416,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
 def print_repeats(pairs: list[list[RunResult]]) -> None:
     """The throughput ratio of every alternated pair, with their median and range: on a
     noisy machine one pair can be off by 10% and more either way."""
-    ratios = [base.wall_s / pp.wall_s for base, pp in pairs]
+    ratios = [throughput_ratio(pair) for pair in pairs]
     name, base_name = pairs[0][1].name, pairs[0][0].name
     print(
         f"throughput ratio {name} / {base_name} over {len(pairs)} alternated pairs: median "
