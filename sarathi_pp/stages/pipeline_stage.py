@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import pickle
 import socket
 import time
 from typing import Any
@@ -178,6 +179,12 @@ class PipelineStage:
             self._free_since,
         )
         return result, event
+
+    def run_packed(self, packed: bytes) -> bytes:
+        """``run`` for the Ray executor: the micro-batch arrives pickled, and the result and
+        event leave pickled (Note [packed micro-batches] in ``executors/ray.py``)."""
+        microbatch = pickle.loads(packed)  # from the driver that owns this actor
+        return pickle.dumps(self.run(microbatch), protocol=pickle.HIGHEST_PROTOCOL)
 
     def run_compiled(
         self, microbatch: MicroBatch, incoming: tuple | None = None

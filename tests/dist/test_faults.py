@@ -7,6 +7,7 @@ mid-run leaves the engine usable with clean outputs."""
 
 from __future__ import annotations
 
+import pickle
 import signal
 import threading
 import time
@@ -147,13 +148,13 @@ class CtrlCBetweenStages:
 
     def __init__(self, actor, at: int) -> None:
         self.actor, self.at, self.fired = actor, at, False
-        self.run = self  # ``handle.run.remote(mb)``
+        self.run_packed = self  # ``handle.run_packed.remote(packed)``
 
-    def remote(self, microbatch):
-        if not self.fired and microbatch.microbatch_id >= self.at:
+    def remote(self, packed: bytes):
+        if not self.fired and pickle.loads(packed).microbatch_id >= self.at:
             self.fired = True
             signal.raise_signal(signal.SIGINT)  # Python runs the handler right here
-        return self.actor.run.remote(microbatch)
+        return self.actor.run_packed.remote(packed)
 
 
 def test_ctrl_c_while_a_micro_batch_is_handed_to_the_stages(
