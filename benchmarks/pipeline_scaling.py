@@ -17,8 +17,9 @@ Only the ``generate`` call is timed, after the engine is built and a small warm-
 ``generate`` has run. Both engines map their KV caches at start-up (``cache.prefault``;
 ``--no-prefault``: as the engine's default, as the run first writes each page): a fresh
 engine's first run otherwise pays every cache page's first touch inside its steps, 15% of
-the run on this project's VMs (host memory backed on demand), in PP=1 and in each stage. Printed: wall time, generated tokens/s, prompt + generated tokens/s,
-the PP=2 / PP=1 throughput ratio and the pipeline efficiency = PP=1 wall / (stages x PP=2
+the run on this project's VMs (host memory backed on demand), in PP=1 and in each stage.
+Printed: wall time, generated tokens/s, prompt + generated tokens/s, the PP=2 / PP=1
+throughput ratio and the pipeline efficiency = PP=1 wall / (stages x PP=2
 wall) (1.0 = perfect scaling).
 
 Where the time goes (Note [probes]): the script wraps, on instances only (no library file
@@ -340,8 +341,8 @@ def print_stages(runs: list[RunResult]) -> None:
     print(
         f"{pp.name} compute: sum over stages {sum(pp_compute):.2f} s vs {base.name} "
         f"{total(base.stage_spans[0]['execute']):.2f} s (the same tokens; by kind below: "
-        f"the decode-only tail runs as one micro-batch per one in flight, each reading all "
-        f"of a stage's weights); slowest stage {max(pp_compute):.2f} s = the least "
+        f"a decode-only step runs as one micro-batch per micro-batch in flight, each reading "
+        f"all of a stage's weights); slowest stage {max(pp_compute):.2f} s = the least "
         f"{pp.name} wall possible"
     )
 

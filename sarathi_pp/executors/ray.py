@@ -1,8 +1,8 @@
 """Pipeline parallelism on Ray: one actor per stage, placed by a placement group.
 
 Control plane: the driver (the engine, with the scheduler) calls ``run(microbatch)`` on every
-stage actor for every micro-batch (as ``run_packed``: Note [packed micro-batches]); Ray runs an actor's calls in submission order, so all
-stages see the micro-batches in issue order. Data plane: the actors pass hidden states
+stage actor for every micro-batch (as ``run_packed``: Note [packed micro-batches]); Ray runs
+an actor's calls in submission order, so all stages see the micro-batches in issue order. Data plane: the actors pass hidden states
 between themselves over ``torch.distributed`` send/recv (gloo on CPU, NCCL on CUDA) in a
 process group this module sets up (master = stage 0's node IP, or 127.0.0.1 when every stage
 is on one node, at a port stage 0 holds open until the group is formed). Only the last
