@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import subprocess
-import sys
 import time
 
 import pytest
@@ -67,6 +67,42 @@ def test_pp2_equals_pp1_exactly(pp2, llama_dir):
     with LLM(str(llama_dir), max_model_len=256, chunk_size=32, tile_align=False) as pp1:
         ref = [o.outputs[0].token_ids for o in pp1.generate(prompts, sp, use_tqdm=False)]
     assert ours == ref
+
+
+class RecordingHandle:
+    """A stage's real actor handle that records what each ``run_packed`` call is given."""
+
+    def __init__(self, actor, calls: list) -> None:
+        self.actor, self.calls = actor, calls
+        self.run_packed = self  # ``handle.run_packed.remote(packed)``
+
+    def remote(self, packed):
+        self.calls.append(packed)
+        return self.actor.run_packed.remote(packed)
+
+
+def test_pp2_pickles_each_micro_batch_once_for_every_stage(pp2):
+    """Note [packed micro-batches]: every stage gets the very same bytes of a micro-batch
+    (one serialization, not one per stage), in issue order, and the tokens are unchanged."""
+    pp2.engine.set_scheduler(policy="sarathi", chunk_size=32, tile_align=False)
+    prompts = make_prompts(seed=5)
+    ref = [o.outputs[0].token_ids for o in pp2.generate(prompts, GREEDY, use_tqdm=False)]
+    actors = pp2.engine.executor.actors
+    real = list(actors)
+    calls: list[list] = [[] for _ in actors]
+    actors[:] = [RecordingHandle(a, c) for a, c in zip(real, calls)]
+    try:
+        outs = pp2.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        actors[:] = real
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    first, *others = calls
+    assert len(first) > len(prompts)  # chunks and decodes: many micro-batches
+    assert all(type(p) is bytes for p in first)
+    for other in others:
+        assert len(other) == len(first) and all(a is b for a, b in zip(first, other))
+    ids = [pickle.loads(p).microbatch_id for p in first]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
 
 
 def test_pp2_preemption(ray_cluster, llama_dir):

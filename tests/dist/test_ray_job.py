@@ -39,7 +39,7 @@ def ray_head(tmp_path):
          "--runtime-env-agent-port", str(free_port()),
          "--metrics-export-port", str(free_port()), "--disable-usage-stats"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
-    )
+    )  # fmt: skip
     try:
         yield f"http://127.0.0.1:{dash}", env
     finally:
@@ -52,13 +52,17 @@ def ray_head(tmp_path):
 
 def submit(address, env, args, timeout=240):
     cmd = [RAY, "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
-           sys.executable, "-m", "sarathi_pp.launch.ray_job", *args]
+           sys.executable, "-m", "sarathi_pp.launch.ray_job", *args]  # fmt: skip
     deadline = time.monotonic() + 120
     not_up_yet = ("Connection", "No available agent", "try again later")
     while True:  # the job server and its agent come up some seconds after the head
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         out = proc.stderr + proc.stdout
-        if proc.returncode == 0 or time.monotonic() > deadline or not any(m in out for m in not_up_yet):
+        if (
+            proc.returncode == 0
+            or time.monotonic() > deadline
+            or not any(m in out for m in not_up_yet)
+        ):
             return proc
         time.sleep(3)
 
@@ -67,12 +71,14 @@ def test_ray_job_submit_matches_pp1(ray_head, llama_dir):
     address, env = ray_head
     prompts = ["Hello", "Two stages"]
     args = ["--model", str(llama_dir), "--pipeline-parallel-size", "2", "--max-tokens", "6",
-            "--ignore-eos", "--output", "-", "--set", "model.max_model_len=256"]
+            "--ignore-eos", "--output", "-", "--set", "model.max_model_len=256"]  # fmt: skip
     for p in prompts:
         args += ["--prompt", p]
     proc = submit(address, env, args)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"index"')]
     with LLM(str(llama_dir), max_model_len=256) as pp1:
-        ref = pp1.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+        ref = pp1.generate(
+            prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False
+        )
     assert [r["token_ids"] for r in records] == [o.outputs[0].token_ids for o in ref]

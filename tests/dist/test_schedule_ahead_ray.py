@@ -7,13 +7,12 @@ it into ``in_flight`` and ``ring``. The fault tests run with it in ``test_faults
 from __future__ import annotations
 
 import pytest
+from helpers import record_ahead
+from test_ray_compiled import SCHEDULERS, make_prompts, one_stage_tokens, tokens
 
 from sarathi_pp import LLM
 from sarathi_pp.events import read_events
 from sarathi_pp.report import write_report
-
-from helpers import record_ahead
-from test_ray_compiled import SCHEDULERS, make_prompts, one_stage_tokens, tokens
 
 KW = dict(max_model_len=256, dtype="float32")
 
@@ -38,9 +37,7 @@ def test_ahead_pipeline_equals_one_stage_for_every_policy(
             assert sum(ahead) >= 5, (policy, ahead)
 
 
-def test_ahead_run_dir_names_ring_sources_and_the_report_the_ring(
-    ray_cluster, llama_dir, tmp_path
-):
+def test_ahead_run_dir_names_ring_sources_and_the_report_the_ring(ray_cluster, llama_dir, tmp_path):
     run = tmp_path / "run"
     prompts = make_prompts(lens=(40, 60, 80, 100, 120, 30, 50, 70))
     with LLM(
