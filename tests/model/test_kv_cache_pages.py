@@ -84,14 +84,15 @@ def mapped_mib(t: torch.Tensor) -> float:
     start = t.data_ptr() // page * page
     end = -(-(t.data_ptr() + t.numel() * t.element_size()) // page) * page
     vec = (ctypes.c_ubyte * ((end - start) // page))()
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = host_pages.libc()  # the project's handle on the C library, errno kept
+    assert libc is not None, "no C library found"
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) != 0:
         raise OSError(ctypes.get_errno(), "mincore failed")
     return sum(b & 1 for b in vec) * page / 2**20
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and madvise: Linux's")
 @pytest.mark.parametrize("how", ["madvise", "writes"])
 def test_prefault_maps_every_page_and_keeps_the_zeros(how, monkeypatch):
     """``cache.prefault``: the whole cache is resident before any block is written, by
