@@ -6,7 +6,10 @@ dir each, all from one run of this script.
 Per run it prints the bubble fraction over the steady state with its two families
 (``shape``: PB1-PB3 and ``hybrid``, what SARATHI removes; ``runtime``: what the runtime
 adds) and the largest runtime classes, throughput, and per micro-batch (medians, in
-microseconds, from the run's ``events.jsonl``; one clock for every process on one node):
+microseconds, from the run's ``events.jsonl``; one clock for every process on one node),
+and the bubble before and after the last prefill left stage 0 (``report.interval``'s
+``prefill_split``: ``w/ pf`` while micro-batches could still carry a prefill chunk, ``tail``
+the decode-only micro-batches after, ``tail%`` that part's share of the window):
 
 - ``dispatch``: the driver hands micro-batch k to the executor -> stage 0 has it;
 - ``return``: the last stage finished j -> the driver has its tokens (when it was waiting);
@@ -38,6 +41,7 @@ from common import load_args_workload, load_average
 from sarathi_pp import LLM, SamplingParams
 from sarathi_pp.bench.workload import BenchRequest
 from sarathi_pp.report import write_report
+from sarathi_pp.report.interval import prefill_split
 from sarathi_pp.report.log import RunLog, load_log
 
 # Name -> the engine settings it runs with: the task path without and with scheduling ahead
@@ -124,6 +128,10 @@ def loop_costs(log: RunLog, in_flight: int) -> dict[str, float]:
     }
 
 
+def _pct(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:.1%}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     executors = [e.strip() for e in args.executors.split(",") if e.strip()]
@@ -143,14 +151,18 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir = Path(args.out) / name
                 wall = run_one(args, executor, scheduler, m, requests, run_dir)
                 summary = write_report(run_dir, plot=False)
-                costs = loop_costs(load_log(run_dir / "events.jsonl"), m or 2)
+                log = load_log(run_dir / "events.jsonl")
+                costs = loop_costs(log, m or 2)
+                w = summary["window"]
+                split = prefill_split(log, w["start_s"], w["end_s"])
                 print(f"{name}: {wall:.1f} s ({run_dir})", file=sys.stderr)
-                rows.append((name, wall, summary, costs))
+                rows.append((name, wall, summary, costs, split))
     print(f"# {workload.describe()}; chunk {args.chunk_size}, PP=2, one thread per stage "
           f"(the driver competes with the stages for 2 cores); load average {load_average()}")  # fmt: skip
-    print(f"{'run':<26}{'tok/s':>7}{'bubble':>8}{'shape':>7}{'runtime':>8}  "
+    print(f"{'run':<26}{'tok/s':>7}{'bubble':>8}{'shape':>7}{'runtime':>8}"
+          f"{'w/ pf':>7}{'tail':>7}{'tail%':>7}  "
           f"{'dispatch':>9}{'return':>8}{'driver':>8}{'sched':>7}{'L':>8}  top runtime classes")  # fmt: skip
-    for name, wall, s, c in rows:
+    for name, wall, s, c, split in rows:
         o = s["overall"]
         window = o["window_s"] or 1.0
         fam = o["families_s"]
@@ -159,10 +171,16 @@ def main(argv: list[str] | None = None) -> int:
         top = ", ".join(f"{k} {v / window:.1%}"
                         for k, v in sorted(runtime.items(), key=lambda kv: -kv[1])[:3])  # fmt: skip
         print(f"{name:<26}{tokens / wall:>7.0f}{o['bubble_fraction']:>8.1%}"
-              f"{fam['shape'] / window:>7.1%}{fam['runtime'] / window:>8.1%}  "
+              f"{fam['shape'] / window:>7.1%}{fam['runtime'] / window:>8.1%}"
+              f"{_pct(split.while_prefills):>7}{_pct(split.decode_only):>7}"
+              f"{split.decode_only_share:>7.1%}  "
               f"{c['dispatch']:>9.0f}{c['return']:>8.0f}{c['driver']:>8.0f}{c['schedule']:>7.0f}"
               f"{c['L']:>8.0f}  {top}")  # fmt: skip
-    print("(dispatch, return, driver, sched, L: medians per micro-batch in microseconds)")
+    print(
+        "(w/ pf, tail: the bubble before / after the last prefill left stage 0, tail% the "
+        "window's share after; dispatch, return, driver, sched, L: medians per micro-batch "
+        "in microseconds)"
+    )
     return 0
 
 

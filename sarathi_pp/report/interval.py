@@ -11,6 +11,11 @@ A server cannot keep its whole log: ``/metrics`` analyzes the records of the las
 minutes (whole micro-batches). A stage's segments depend only on its previous micro-batch
 and the stage before it, so once a few micro-batches precede ``A`` the result equals that
 of the full log over the same interval; the tests check it against ``report --interval``.
+
+``prefill_split`` cuts a window where the last prefill leaves stage 0: before, every
+micro-batch could carry a prefill chunk for decodes to ride along with (SARATHI's steady
+state); after, only decode-only micro-batches remain (a closed workload's tail), whose
+computes are short against the runtime's fixed cost per micro-batch.
 """
 
 from __future__ import annotations
@@ -31,6 +36,38 @@ class IntervalBubbles:
 
     def bubble_fraction(self, stage_idx: int) -> float:
         return 1.0 - self.fractions[stage_idx][BUSY]
+
+
+@dataclass(frozen=True)
+class PrefillSplit:
+    """A window cut where the last prefill left stage 0 (see the module)."""
+
+    start: float
+    cut: float  # stage 0's compute_end of the last micro-batch with prefill tokens
+    end: float
+    while_prefills: float | None  # bubble fraction over [start, cut] (None: empty)
+    decode_only: float | None  # bubble fraction over [cut, end] (None: empty)
+
+    @property
+    def decode_only_share(self) -> float:
+        """The share of the window after the last prefill."""
+        return (self.end - self.cut) / (self.end - self.start)
+
+
+def prefill_split(log: RunLog, start: float, end: float) -> PrefillSplit:
+    """The bubble fraction (all stages: idle over their time) over ``[start, end]`` before
+    and after the last micro-batch with prefill tokens left stage 0 (its ``compute_end``,
+    clamped to the interval; a log without prefills is decode-only throughout)."""
+    ends = [e.compute_end for e in log.stages[0] if e.num_prefill_tokens > 0]
+    cut = min(max(max(ends, default=start), start), end)
+
+    def fraction(a: float, b: float) -> float | None:
+        if not b > a:
+            return None
+        ib = interval_bubbles(log, a, b)
+        return sum(ib.bubble_fraction(s) for s in range(log.num_stages)) / log.num_stages
+
+    return PrefillSplit(start, cut, end, fraction(start, cut), fraction(cut, end))
 
 
 def parse_interval(text: str) -> tuple[float, float]:
