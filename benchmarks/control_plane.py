@@ -7,7 +7,7 @@ Per run it prints the bubble fraction over the steady state with its two familie
 (``shape``: PB1-PB3 and ``hybrid``, what SARATHI removes; ``runtime``: what the runtime
 adds) and the largest runtime classes, throughput, and per micro-batch (medians, in
 microseconds, from the run's ``events.jsonl``; one clock for every process on one node),
-and the bubble before and after the last prefill left stage 0 (``report.interval``'s
+and the bubble before and after the last prefill left stage 0 (``summary.json``'s
 ``prefill_split``: ``w/ pf`` while micro-batches could still carry a prefill chunk, ``tail``
 the decode-only micro-batches after, ``tail%`` that part's share of the window):
 
@@ -41,7 +41,6 @@ from common import load_args_workload, load_average
 from sarathi_pp import LLM, SamplingParams
 from sarathi_pp.bench.workload import BenchRequest
 from sarathi_pp.report import write_report
-from sarathi_pp.report.interval import prefill_split
 from sarathi_pp.report.log import RunLog, load_log
 
 # Name -> the engine settings it runs with: the task path without and with scheduling ahead
@@ -151,18 +150,16 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir = Path(args.out) / name
                 wall = run_one(args, executor, scheduler, m, requests, run_dir)
                 summary = write_report(run_dir, plot=False)
-                log = load_log(run_dir / "events.jsonl")
-                costs = loop_costs(log, m or 2)
-                w = summary["window"]
-                split = prefill_split(log, w["start_s"], w["end_s"])
+                costs = loop_costs(load_log(run_dir / "events.jsonl"), m or 2)
                 print(f"{name}: {wall:.1f} s ({run_dir})", file=sys.stderr)
-                rows.append((name, wall, summary, costs, split))
+                rows.append((name, wall, summary, costs))
     print(f"# {workload.describe()}; chunk {args.chunk_size}, PP=2, one thread per stage "
           f"(the driver competes with the stages for 2 cores); load average {load_average()}")  # fmt: skip
     print(f"{'run':<26}{'tok/s':>7}{'bubble':>8}{'shape':>7}{'runtime':>8}"
           f"{'w/ pf':>7}{'tail':>7}{'tail%':>7}  "
           f"{'dispatch':>9}{'return':>8}{'driver':>8}{'sched':>7}{'L':>8}  top runtime classes")  # fmt: skip
-    for name, wall, s, c, split in rows:
+    for name, wall, s, c in rows:
+        split = s["prefill_split"]
         o = s["overall"]
         window = o["window_s"] or 1.0
         fam = o["families_s"]
@@ -172,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                         for k, v in sorted(runtime.items(), key=lambda kv: -kv[1])[:3])  # fmt: skip
         print(f"{name:<26}{tokens / wall:>7.0f}{o['bubble_fraction']:>8.1%}"
               f"{fam['shape'] / window:>7.1%}{fam['runtime'] / window:>8.1%}"
-              f"{_pct(split.while_prefills):>7}{_pct(split.decode_only):>7}"
-              f"{split.decode_only_share:>7.1%}  "
+              f"{_pct(split['while_prefills']):>7}{_pct(split['decode_only']):>7}"
+              f"{split['decode_only_share']:>7.1%}  "
               f"{c['dispatch']:>9.0f}{c['return']:>8.0f}{c['driver']:>8.0f}{c['schedule']:>7.0f}"
               f"{c['L']:>8.0f}  {top}")  # fmt: skip
     print(

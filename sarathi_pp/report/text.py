@@ -104,7 +104,23 @@ def _bubble_rows(summary: dict[str, Any]) -> list[str]:
     lines.append(
         "(bubble and classes: share of the stage's window; fill+drain: idle seconds outside it)"
     )
+    split = prefill_split_text(summary)
+    if split is not None:
+        lines.append(split)
     return lines
+
+
+def prefill_split_text(summary: dict[str, Any]) -> str | None:
+    """The window's bubble before and after the last prefill left stage 0 (``None``: an
+    older summary, or a window all on one side)."""
+    p = summary.get("prefill_split")
+    if not p or p["while_prefills"] is None or p["decode_only"] is None:
+        return None
+    return (
+        f"bubble while prefills remain {p['while_prefills']:.1%}, after the last prefill "
+        f"(at {p['cut_s']:.3f} s; decode-only micro-batches, {p['decode_only_share']:.0%} "
+        f"of the window) {p['decode_only']:.1%}"
+    )
 
 
 def _request_rows(req: dict[str, Any]) -> list[str]:

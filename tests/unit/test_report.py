@@ -13,10 +13,13 @@ from sarathi_pp.cli.report import add_parser as add_report_parser
 from sarathi_pp.cli.report import run_names
 from sarathi_pp.report import write_report
 from sarathi_pp.report.bubbles import BUBBLE_CLASSES
+from sarathi_pp.report.interval import interval_bubbles
+from sarathi_pp.report.log import load_log
 from sarathi_pp.report.request_metrics import distribution, load_requests, request_summary
 from sarathi_pp.report.synthetic import (
     MB,
     SimConfig,
+    mixed_compute_s,
     request_rows,
     simulate,
     write_demo_run,
@@ -59,6 +62,29 @@ def test_summary_keys(demo_run: Path):
     assert sum(o["microbatches_by_kind"].values()) == o["num_microbatches"] == 60
     mbs = summary["stages"][1]["microbatches"]
     assert mbs["all"]["count"] == 60 and mbs["all"]["compute_cv"] > 0
+
+
+def test_summary_splits_the_window_at_the_last_prefill(tmp_path: Path, capsys):
+    cfg = SimConfig(num_stages=2, compute_s=mixed_compute_s, send_s=0.001, transfer_s=0.002,
+                    overhead_s=0.003)  # fmt: skip
+    d = sim_run(tmp_path / "tail", [MB("hybrid", 256, 8)] * 30 + [MB("decode", 0, 8)] * 40, cfg)
+    summary = write_report(d, plot=False)
+    p, w = summary["prefill_split"], summary["window"]
+    log = load_log(d / "events.jsonl")
+    assert p["cut_s"] == log.by_mb(0)[29].compute_end  # the last hybrid left stage 0
+    # the same figures as report --interval over each part (segments computed apart)
+    for (a, b), got in (((w["start_s"], p["cut_s"]), p["while_prefills"]),
+                        ((p["cut_s"], w["end_s"]), p["decode_only"])):  # fmt: skip
+        ib = interval_bubbles(log, a, b)
+        assert got == pytest.approx((ib.bubble_fraction(0) + ib.bubble_fraction(1)) / 2)
+    share = p["decode_only_share"]
+    assert share == pytest.approx((w["end_s"] - p["cut_s"]) / w["duration_s"])
+    mixed = (1 - share) * p["while_prefills"] + share * p["decode_only"]
+    assert mixed == pytest.approx(summary["overall"]["bubble_fraction"])
+    assert cli(str(d)) == 0
+    out = capsys.readouterr().out
+    assert f"bubble while prefills remain {p['while_prefills']:.1%}" in out
+    assert f"of the window) {p['decode_only']:.1%}" in out
 
 
 def test_summary_requests(demo_run: Path):
