@@ -16,6 +16,9 @@ DIST_ROWS = (
 # (label, path into the summary, unit, word for "first run is smaller", for "larger")
 COMPARED = (
     ("bubble fraction", ("overall", "bubble_fraction"), "", "fewer", "more"),
+    ("bubble while prefills", ("prefill_split", "while_prefills"), "", "fewer", "more"),
+    ("bubble after prefills", ("prefill_split", "decode_only"), "", "fewer", "more"),
+    ("decode-only share", ("prefill_split", "decode_only_share"), "", "smaller", "larger"),
     ("ttft p50", ("requests", "ttft_s", "p50"), "ms", "lower", "higher"),
     ("ttft p99", ("requests", "ttft_s", "p99"), "ms", "lower", "higher"),
     ("tbt p50", ("requests", "tbt_s", "p50"), "ms", "lower", "higher"),

@@ -215,6 +215,10 @@ def test_comparison_text(tmp_path: Path):
     text = format_comparison(["sarathi", "vllm"], [sa, sb])
     assert f"bubble fraction sarathi {fa:.3f} vs vllm {fb:.3f}: {fb / fa:.1f}x fewer" in text
     assert "sarathi vs vllm:" in text and "tbt p99" in text
+    pa, pb = sa["prefill_split"], sb["prefill_split"]  # each run's bubble by phase, side by side
+    cells = f"{pa['while_prefills']:.3f}".rjust(14) + f"{pb['while_prefills']:.3f}".rjust(14)
+    assert f"{'bubble while prefills':<26}{cells}" in text
+    assert f"decode-only share sarathi {pa['decode_only_share']:.3f} vs vllm" in text
 
 
 # --- the CLI --------------------------------------------------------------------------------
