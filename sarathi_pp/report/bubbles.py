@@ -48,6 +48,11 @@ Every stage's run is cut into contiguous segments, each ``busy`` or one bubble c
 Per stage the window is the sum of the segments clipped to it, so ``busy + idle == window``
 and the classes add up to ``idle``. Idle time outside the window is ``fill_s`` (before)
 and ``drain_s`` (after), reported apart; both are zero when there is no steady state.
+
+``prefill_split`` cuts the window where the last micro-batch with prefill tokens leaves
+stage 0 (its ``compute_end``): before, every micro-batch could carry a prefill chunk for
+decodes to ride along with (SARATHI's steady state); after, only decode-only micro-batches
+remain (a closed workload's tail), short against the runtime's fixed cost per micro-batch.
 """
 
 from __future__ import annotations
@@ -121,6 +126,31 @@ class StageBubbles:
 
 
 @dataclass(frozen=True)
+class PrefillSplit:
+    """The window cut where the last prefill left stage 0 (see the module)."""
+
+    start: float
+    cut: float  # stage 0's compute_end of the last micro-batch with prefill tokens, clamped
+    end: float
+    while_prefills: float | None  # bubble fraction of all stages over [start, cut] (None: empty)
+    decode_only: float | None  # over [cut, end]
+
+    @property
+    def decode_only_share(self) -> float:
+        """The share of the window after the last prefill."""
+        return (self.end - self.cut) / (self.end - self.start) if self.end > self.start else 0.0
+
+    def as_dict(self) -> dict[str, float | None]:
+        """``summary.json``'s ``prefill_split``."""
+        return {
+            "cut_s": self.cut,
+            "while_prefills": self.while_prefills,
+            "decode_only": self.decode_only,
+            "decode_only_share": self.decode_only_share,
+        }
+
+
+@dataclass(frozen=True)
 class BubbleAnalysis:
     run_start: float
     run_end: float
@@ -128,6 +158,7 @@ class BubbleAnalysis:
     stages: list[StageBubbles]
     # [stage_idx], contiguous over the run; empty lists when analysed without keeping them
     segments: list[list[Segment]] = field(repr=False)
+    prefill_split: PrefillSplit
 
 
 def analyze(log: RunLog, split: bool = True, keep_segments: bool = True) -> BubbleAnalysis:
@@ -137,15 +168,33 @@ def analyze(log: RunLog, split: bool = True, keep_segments: bool = True) -> Bubb
     hold 5 GB of them for pictures that show its first 2,000)."""
     run_start, run_end = run_span(log)
     window = steady_window(log, run_start, run_end)
+    ends = [e.compute_end for e in log.stages[0] if e.num_prefill_tokens > 0]
+    cut = min(max(max(ends, default=window.start), window.start), window.end)
     segments: list[list[Segment]] = []
     stages: list[StageBubbles] = []
+    before = after = 0.0  # idle seconds of all stages in the window, before / after ``cut``
     prev: list[Segment] | None = None
     for s in range(log.num_stages):
         segs = stage_segments(log, s, prev, run_start, run_end, split)
         stages.append(stage_bubbles(s, segs, window, run_start, run_end))
+        before += _idle_in(segs, window.start, cut)
+        after += _idle_in(segs, cut, window.end)
         segments.append(segs if keep_segments else [])
         prev = segs
-    return BubbleAnalysis(run_start, run_end, window, stages, segments)
+
+    def fraction(idle: float, a: float, b: float) -> float | None:
+        return idle / ((b - a) * log.num_stages) if b > a else None
+
+    prefill = PrefillSplit(
+        window.start, cut, window.end,
+        fraction(before, window.start, cut), fraction(after, cut, window.end),
+    )  # fmt: skip
+    return BubbleAnalysis(run_start, run_end, window, stages, segments, prefill)
+
+
+def _idle_in(segments: list[Segment], a: float, b: float) -> float:
+    """Seconds of ``segments`` other than ``busy`` inside ``[a, b]``."""
+    return sum(max(0.0, min(g.end, b) - max(g.start, a)) for g in segments if g.label != BUSY)
 
 
 def run_span(log: RunLog) -> tuple[float, float]:

@@ -13,7 +13,7 @@ Layout (times in seconds)::
     requests: see ``request_metrics.request_summary``, and ``bubble_time_s`` (p50, p90,
             p99, max, mean; all null for an older log: ``request_bubbles``)
     prefill_split: {cut_s, while_prefills, decode_only, decode_only_share}
-            # the window cut where the last prefill left stage 0 (``interval.prefill_split``):
+            # the window cut where the last prefill left stage 0 (``bubbles.PrefillSplit``):
             # the bubble fraction of all stages before and after (null: that part is empty),
             # and the share of the window after; absent from an older summary
     chunk_size: {auto, initial, final, min, max, num_changes, changes: [[t_s, chunk_size]]}
@@ -40,7 +40,6 @@ from sarathi_pp.report.bubbles import (
     BubbleAnalysis,
     StageBubbles,
 )
-from sarathi_pp.report.interval import prefill_split
 from sarathi_pp.report.log import KINDS, RunLog
 from sarathi_pp.report.request_bubbles import request_bubble_times
 from sarathi_pp.report.request_metrics import RequestRow, distribution, request_summary
@@ -61,9 +60,7 @@ def build_summary(log: RunLog, analysis: BubbleAnalysis, rows: list[RequestRow])
         "window": _span(w.start, w.end),
         "stages": stages,
         "overall": _overall(analysis.stages, log),
-        "prefill_split": prefill_split(
-            log, w.start, w.end, analysis.segments if analysis.segments[0] else None
-        ).as_dict(),
+        "prefill_split": analysis.prefill_split.as_dict(),
         "requests": requests_entry(log, rows),
         "chunk_size": chunk_size_summary(log),
     }

@@ -353,3 +353,38 @@ def test_invalid_logs(records, match):
     with pytest.raises(ValueError, match=match) as info:
         parse_log(records, "test/events.jsonl")
     assert "test/events.jsonl" in str(info.value)
+
+
+# --- before and after the last prefill ------------------------------------------------------
+def _window_bubble(a) -> float:
+    return sum(s.window_s - s.busy_s for s in a.stages) / sum(s.window_s for s in a.stages)
+
+
+def test_prefill_split_cuts_at_the_last_prefill_and_adds_up_to_the_window():
+    cfg = SimConfig(num_stages=2, compute_s=mixed_compute_s, send_s=0.001,
+                    transfer_s=0.002, overhead_s=0.003)  # fmt: skip
+    mbs = [MB("hybrid", 256, 8)] * 30 + [MB("decode", 0, 8)] * 40  # a closed workload's shape
+    log = parse_log(simulate(mbs, cfg), "synthetic")
+    a = analyze(log)
+    split = a.prefill_split
+    assert split.cut == log.by_mb(0)[29].compute_end  # the last hybrid on stage 0
+    assert 0 < split.decode_only_share < 1
+    assert split.while_prefills is not None and split.decode_only is not None
+    # the fixed costs per micro-batch weigh more against the short decode-only computes
+    assert split.decode_only > 2 * split.while_prefills > 0
+    share = split.decode_only_share
+    mixed = (1 - share) * split.while_prefills + share * split.decode_only
+    assert mixed == pytest.approx(_window_bubble(a))
+    # the same figures without the segments kept (a long run's report)
+    assert analyze(log, keep_segments=False).prefill_split == split
+
+
+def test_prefill_split_of_a_one_phase_log_leaves_the_other_empty():
+    a = analyze(parse_log(simulate([MB("decode", 0, 8)] * 20, SimConfig()), "decodes"))
+    split = a.prefill_split
+    assert split.while_prefills is None and split.decode_only_share == 1.0
+    assert split.decode_only == pytest.approx(_window_bubble(a))
+    a = analyze(parse_log(simulate([MB("prefill", 64)] * 20, SimConfig()), "prefills"))
+    split = a.prefill_split
+    assert split.decode_only is None and split.decode_only_share == 0.0
+    assert split.while_prefills is not None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from sarathi_pp.report.bubbles import BUBBLE_CLASSES, BUSY, analyze
-from sarathi_pp.report.interval import interval_bubbles, parse_interval, prefill_split
+from sarathi_pp.report.interval import interval_bubbles, parse_interval
 from sarathi_pp.report.log import parse_log
 from sarathi_pp.report.synthetic import MB, SimConfig, mixed_compute_s, mixed_workload, simulate
 from sarathi_pp.serve.bubble_window import BubbleWindow
@@ -61,41 +61,6 @@ def test_trimmed_window_equals_the_full_log():
     b = interval_bubbles(parse_log(kept, "trimmed"), lo, t_end)
     for fa, fb in zip(a.fractions, b.fractions, strict=True):
         assert fa == pytest.approx(fb, abs=1e-12)
-
-
-def _hybrids_then_decodes(cfg: SimConfig) -> list[dict]:
-    """A closed workload's shape: hybrid micro-batches, then a decode-only tail."""
-    return simulate([MB("hybrid", 256, 8)] * 30 + [MB("decode", 0, 8)] * 40, cfg)
-
-
-def test_prefill_split_cuts_at_the_last_prefill_and_adds_up_to_the_window():
-    cfg = SimConfig(num_stages=2, compute_s=mixed_compute_s, send_s=0.001,
-                    transfer_s=0.002, overhead_s=0.003)  # fmt: skip
-    log = parse_log(_hybrids_then_decodes(cfg), "synthetic")
-    a = analyze(log)
-    split = prefill_split(log, a.window.start, a.window.end)
-    assert split.cut == log.by_mb(0)[29].compute_end  # the last hybrid on stage 0
-    assert 0 < split.decode_only_share < 1
-    assert split.while_prefills is not None and split.decode_only is not None
-    # the fixed costs per micro-batch weigh more against the short decode-only computes
-    assert split.decode_only > 2 * split.while_prefills > 0
-    overall = sum(s.window_s - s.busy_s for s in a.stages) / sum(s.window_s for s in a.stages)
-    share = split.decode_only_share
-    assert (1 - share) * split.while_prefills + share * split.decode_only == pytest.approx(overall)
-
-
-def test_prefill_split_of_a_one_phase_log_leaves_the_other_empty():
-    only_decodes = parse_log(simulate([MB("decode", 0, 8)] * 20, SimConfig()), "decodes")
-    a = analyze(only_decodes)
-    split = prefill_split(only_decodes, a.window.start, a.window.end)
-    assert split.while_prefills is None and split.decode_only_share == 1.0
-    idle = sum(s.window_s - s.busy_s for s in a.stages) / sum(s.window_s for s in a.stages)
-    assert split.decode_only == pytest.approx(idle)
-    only_prefills = parse_log(simulate([MB("prefill", 64)] * 20, SimConfig()), "prefills")
-    a = analyze(only_prefills)
-    split = prefill_split(only_prefills, a.window.start, a.window.end)
-    assert split.decode_only is None and split.decode_only_share == 0.0
-    assert split.while_prefills is not None
 
 
 @pytest.mark.parametrize("text", ["3", "5:2", "a:b", "1:1", ":4"])
