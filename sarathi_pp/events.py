@@ -28,9 +28,10 @@ Schema version 3 (``SCHEMA_VERSION``; a version 1 or 2 log, which lacks what is 
             limit was reached).
 ``done``    the driver received a micro-batch's sampled tokens: ``mb``, ``t``; since 2,
             optional: ``wait`` (the driver began waiting for them: before, it was busy) and
-            ``full`` (true: the in-flight limit held the next micro-batch back; false: the
-            scheduler had nothing to issue, every sequence that could run being in flight
-            or no KV block free). See ``report/runtime_split.py``.
+            ``full`` (true: the in-flight limit held back a micro-batch the scheduler had
+            work for; false: the scheduler had nothing to issue, every sequence that could
+            run being in flight or no KV block free, the limit reached or not; before
+            2026-12-03 true whenever the limit was reached). See ``report/runtime_split.py``.
 ``chunk_size`` the token budget in force from ``t`` on (``t``, ``chunk_size``): written
             by the engine before the first micro-batch of a scheduler that chunks
             (sarathi, simple_chunking) and again whenever the budget changes
@@ -246,8 +247,8 @@ class EventLog:
         full: bool | None = None,
     ) -> None:
         """``microbatch``'s tokens are here at ``now`` (a ``StepResult`` with every stage's
-        event); ``wait``: the driver began waiting for them; ``full``: the in-flight limit,
-        not the scheduler, held the next micro-batch back."""
+        event); ``wait``: the driver began waiting for them; ``full``: the in-flight limit
+        held back a micro-batch the scheduler had work for."""
         events = result.events
         k, self._num_completed = self._num_completed, self._num_completed + 1
         if (

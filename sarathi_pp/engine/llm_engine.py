@@ -219,8 +219,12 @@ class LLMEngine(PipelineFaults):
             if not self._inflight:
                 return self._take_aborted()
             # Measured for the report (runtime_split.py): when the driver began waiting, and
-            # whether the in-flight limit (not the scheduler) held the next micro-batch back.
-            wait, full = self.now(), len(self._inflight) >= self.max_inflight
+            # whether the in-flight limit held back a micro-batch the scheduler had work for
+            # (not full: every sequence that could run is in flight, or no KV block is free).
+            wait = self.now()
+            full = len(self._inflight) >= self.max_inflight and self.scheduler.has_ready_work(
+                wait, ahead=self.schedule_ahead
+            )
             microbatch, result = self.executor.wait_oldest()
             assert microbatch.microbatch_id == self._inflight[0].microbatch_id, microbatch
             with deferred_interrupts():

@@ -12,12 +12,15 @@ them):
 ``dependency`` becomes
 
 - ``token_return``: ``[max(x, w), y]``: the tokens travel from the last stage to the driver.
-- ``in_flight``: ``[w, min(x, y)]`` when ``full``: the in-flight limit held the next
-  micro-batch back while ``j`` was still in the pipeline (the data plane's latency and the
-  stages' imbalance; more micro-batches in flight would fill it).
+- ``in_flight``: ``[w, min(x, y)]`` when ``full``: the in-flight limit held back a
+  micro-batch the scheduler had work for while ``j`` was still in the pipeline (the data
+  plane's latency and the stages' imbalance; more micro-batches in flight would fill it).
 - ``load``: the same span when not ``full``: the scheduler had nothing to issue, every
   sequence that could run being in flight already (too few sequences to fill the
-  micro-batches in flight) or no KV block free: the load's own share.
+  micro-batches in flight) or no KV block free, whether the limit was reached or not
+  (``Scheduler.has_ready_work``): the load's own share. At the end of a run's prefills,
+  say, every sequence is in the last hybrids in flight and stage 0 waits for the slower
+  last stage to finish them: more micro-batches in flight would not fill that wait.
 - ``driver``: the rest, when the driver was not waiting: processing the outputs of the
   micro-batch before, the loop around ``step()``, a scheduling attempt that found nothing.
 

@@ -124,6 +124,32 @@ class Scheduler(ABC):
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_ready_work(self, now: float, ahead: bool = False) -> bool:
+        """Whether a micro-batch could take something now, were the in-flight limit not
+        reached: a running sequence whose next tokens are known and fit in the KV cache (a
+        decode, the next chunk of a prompt or the whole rest of it for a policy that does
+        not chunk; with ``ahead``, also a decode of a token a micro-batch in flight is
+        sampling), or the first arrived request, with room to admit it and blocks for its
+        whole prompt (every policy admits so). False: every sequence that could run is in
+        flight already, or the KV cache has no room (the load's own share of a wait,
+        ``report/runtime_split.py``). Preemption is not tried. The waiting request first (one
+        look), then O(running), stopping at the first that is ready."""
+        if self._can_admit():
+            first = next(self._iter_arrived(now), None)
+            n = first.num_pending_tokens if first is not None else 0
+            if first is not None and self._fit_tokens(first, n) == n:
+                return True
+        for s in self.running:
+            if s.is_schedulable:
+                need = 1 if self.chunks_prompts or s.is_decode else s.num_pending_tokens
+            elif ahead and self._can_decode_ahead(s, any_microbatch=True):
+                need = 1
+            else:
+                continue
+            if self._fit_tokens(s, need) == need:
+                return True
+        return False
+
     def finish(self, seq: Sequence, status: SequenceStatus, now: float, reason=None) -> None:
         """End ``seq``; its blocks are freed now, or when its last micro-batch in flight is done."""
         if seq.is_finished:
@@ -238,13 +264,14 @@ class Scheduler(ABC):
                     self._ahead.add(s.seq_id)
         return sorted(ready, key=lambda s: (s.last_scheduled_step, s.admit_order))
 
-    def _can_decode_ahead(self, seq: Sequence) -> bool:
+    def _can_decode_ahead(self, seq: Sequence, any_microbatch: bool = False) -> bool:
         """Whether ``seq``'s next token, being sampled by a micro-batch up to
-        ``ring_upto`` (its only one in flight), may be decoded before it is known: not
-        when that token ends the sequence by length."""
+        ``ring_upto`` (any micro-batch with ``any_microbatch``; its only one in flight),
+        may be decoded before it is known: not when that token ends the sequence by length."""
         return (
             seq.num_inflight == 1
-            and 0 <= seq.sampling_microbatch <= self._ring_upto
+            and seq.sampling_microbatch >= 0
+            and (any_microbatch or seq.sampling_microbatch <= self._ring_upto)
             and seq.num_scheduled_tokens == len(seq.token_ids)
             and len(seq.output_token_ids) + 1 < seq.params.max_tokens
             and len(seq.token_ids) + 1 < self.max_model_len

@@ -40,3 +40,24 @@ def test_engine_records_the_driver_times(llama_dir, tmp_path, in_flight):
     o = summary["overall"]
     assert o["bubbles_s"]["dependency"] == 0  # every part measured
     assert sum(o["families_s"].values()) == pytest.approx(o["idle_s"], abs=1e-9)
+
+
+def test_a_wait_with_every_sequence_in_flight_is_the_loads_own(llama_dir, tmp_path):
+    """Two requests, two micro-batches in flight: after the prompts each decode rides in its
+    own micro-batch, so the in-flight limit is reached with nothing else to issue. Those
+    waits are not ``full`` (more micro-batches in flight would not fill them): the report
+    counts them as ``load``, not ``in_flight`` (tests/unit/test_runtime_split.py)."""
+    run = tmp_path / "run"
+    llm = LLM(
+        str(llama_dir), max_model_len=64, run_dir=str(run), chunk_size=32,
+        num_microbatches_in_flight=2,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    llm.generate([[5, 9, 14, 3, 7, 21], [8, 2, 30, 11]], params, use_tqdm=False)
+    llm.engine.write_run_records()
+    records = read_events(run / "events.jsonl")
+    issues = {r["mb"]: r for r in records if r["type"] == "issue"}
+    dones = [r for r in records if r["type"] == "done"]
+    decode_only = [r for r in dones if issues[r["mb"]]["kind"] == "decode"]
+    assert len(decode_only) >= 8  # two per step: the limit was reached at each of them
+    assert not any(r["full"] for r in dones)

@@ -43,6 +43,8 @@ def test_a_decode_is_scheduled_ahead_of_its_token_and_takes_it_in_order(policy):
     mb0 = s.schedule(0.0)
     assert mb0 is not None and chunks_of(mb0, 0)[0].do_sample
     assert s.schedule(0.0) is None  # without the ring, the decode waits for the token
+    # ... so a wait at the in-flight limit is the load's own, unless decodes go ahead
+    assert not s.has_ready_work(0.0) and s.has_ready_work(0.0, ahead=True)
     mb1 = s.schedule(0.0, ring_upto=mb0.microbatch_id)
     assert mb1 is not None
     (d,) = chunks_of(mb1, 0)
@@ -52,6 +54,7 @@ def test_a_decode_is_scheduled_ahead_of_its_token_and_takes_it_in_order(policy):
     assert mb1.ring_sources == (mb0.microbatch_id,)
     assert a.num_scheduled_tokens == 7 and a.num_inflight == 2
     assert s.schedule(0.0, ring_upto=mb0.microbatch_id) is None  # one token ahead at most
+    assert not s.has_ready_work(0.0, ahead=True)
     assert len(a.block_table) * BLOCK >= 7  # a slot for the position decoded ahead
     s.on_step_done(mb0, {0: 50}, 1.0)
     assert a.output_token_ids == [50] and a.num_inflight == 1 and not a.is_decode
@@ -76,6 +79,7 @@ def test_no_decode_ahead_of_a_token_that_ends_the_sequence_by_length():
     s.on_step_done(mb0, {0: 9, 1: 9}, 1.0)
     s.finish(a, SequenceStatus.FINISHED_LENGTH, 1.0)
     assert s.schedule(1.0, ring_upto=mb1.microbatch_id) is None  # b's second is its last
+    assert not s.has_ready_work(1.0, ahead=True)
 
 
 def one_decode_ahead():

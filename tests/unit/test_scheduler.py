@@ -102,6 +102,8 @@ class SimResult:
     microbatches: list[MicroBatch] = field(default_factory=list)
     outputs: dict[int, list[int]] = field(default_factory=dict)
     idle_reasons: list[tuple[str | None, int]] = field(default_factory=list)  # (reason, inflight)
+    # (has_ready_work before, schedule() gave a micro-batch, it preempted) per schedule call
+    readiness: list[tuple[bool, bool, bool]] = field(default_factory=list)
 
 
 class Checker:
@@ -216,7 +218,10 @@ def simulate(
             break
         while len(inflight) < num_inflight:
             checker.before()
+            ready, preemptions = sched.has_ready_work(now), sched.num_preemptions
             microbatch = sched.schedule(now)
+            preempted = sched.num_preemptions > preemptions
+            result.readiness.append((ready, microbatch is not None, preempted))
             if microbatch is None:
                 result.idle_reasons.append((sched.idle_reason, len(inflight)))
                 break
@@ -279,6 +284,14 @@ def test_simulation_matches_unbatched_reference(policy, config_name, num_infligh
     assert sched.seqs == {} and not sched.has_unfinished()
     if expect_preemption:
         assert sched.num_preemptions > 0
+    # has_ready_work (asked by the engine when the in-flight limit is reached) says what
+    # schedule() finds: a micro-batch exactly when it is true, but for a preemption making
+    # room that it does not try.
+    for ready, scheduled, preempted in result.readiness:
+        assert scheduled == ready or (scheduled and preempted), (ready, scheduled, preempted)
+    assert any(r for r, _, _ in result.readiness)
+    if num_inflight > 1:  # then schedule() is also called with everything in flight
+        assert not all(r for r, _, _ in result.readiness)
     # Reasons are only ever the two documented ones; "dependency" needs work in flight.
     for reason, n_inflight in result.idle_reasons:
         assert reason in (IDLE_NO_WORK, IDLE_DEPENDENCY)
