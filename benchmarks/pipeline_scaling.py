@@ -20,7 +20,11 @@ engine's first run otherwise pays every cache page's first touch inside its step
 the run on this project's VMs (host memory backed on demand), in PP=1 and in each stage.
 Printed: wall time, generated tokens/s, prompt + generated tokens/s, the PP=2 / PP=1
 throughput ratio and the pipeline efficiency = PP=1 wall / (stages x PP=2
-wall) (1.0 = perfect scaling).
+wall) (1.0 = perfect scaling), and the ratio's ceiling on this machine: PP=1's wall over
+the least time the PP=2 stages' measured compute allows (``least_wall_s``: every stage
+busy from the pipeline's fill to its drain, no time of the runtime's own). The compute
+itself is the machine's: decode-only steps read every weight once per micro-batch, and
+two stages reading at once share the memory bus.
 
 Where the time goes (Note [probes]): the script wraps, on instances only (no library file
 is changed), ``StageWorker.execute`` (metadata + layers + sampler: the stage's compute),
@@ -303,6 +307,32 @@ def throughput_ratio(runs: list[RunResult]) -> float:
     return base.wall_s / pp.wall_s
 
 
+def least_wall_s(stage_spans: list[list[Span]]) -> float:
+    """The least wall time a pipeline could take with these compute spans (one list per
+    stage, in micro-batch order): no idle time but its fill and drain, the transfers and
+    the runtime's own time taken as zero. Stage k computes every micro-batch, after the
+    stages before it computed the first one and before the stages after it compute the
+    last: max over k of (first spans of stages < k) + (all of stage k) + (last spans of
+    stages > k). Every real run with these spans takes at least this long."""
+
+    def length(span: Span) -> float:
+        return span[1] - span[0]
+
+    return max(
+        sum(length(sp[0]) for sp in stage_spans[:k] if sp)
+        + total(spans)
+        + sum(length(sp[-1]) for sp in stage_spans[k + 1 :] if sp)
+        for k, spans in enumerate(stage_spans)
+    )
+
+
+def ceiling_ratio(runs: list[RunResult]) -> float:
+    """PP=1's wall over the least PP=N wall its stages' compute allows (``least_wall_s``):
+    the throughput ratio a runtime with no cost of its own would reach on this machine."""
+    base, pp = runs
+    return base.wall_s / least_wall_s([sp["execute"] for sp in pp.stage_spans])
+
+
 def print_throughput(runs: list[RunResult], num_prompt_tokens: int, num_gen_tokens: int) -> None:
     print(f"{'':<6} {'threads':>8} {'nice':>6} {'wall s':>8} {'gen tok/s':>10} {'all tok/s':>10}")
     for r in runs:
@@ -318,6 +348,13 @@ def print_throughput(runs: list[RunResult], num_prompt_tokens: int, num_gen_toke
         f"throughput ratio {pp.name} / {base.name}: {throughput_ratio(runs):.2f}x "
         f"(ideal {num_stages}x); pipeline efficiency = {base.name} wall / ({num_stages} x "
         f"{pp.name} wall) = {base.wall_s / (num_stages * pp.wall_s):.1%}"
+    )
+    least = least_wall_s([sp["execute"] for sp in pp.stage_spans])
+    print(
+        f"ceiling with these compute times: {pp.name} could take {least:.2f} s at the least "
+        f"(every stage busy from the fill to the drain, the runtime's own time zero): "
+        f"{ceiling_ratio(runs):.2f}x; the rest, {pp.wall_s - least:.2f} s, is the runtime's "
+        f"and the machine's other work"
     )
 
 
@@ -421,7 +458,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.repeat > 1:
             base, pp = pairs[-1]
             print(f"pair {i + 1}/{args.repeat}: {base.name} {base.wall_s:.2f} s, {pp.name} "
-                  f"{pp.wall_s:.2f} s: {throughput_ratio(pairs[-1]):.2f}x", flush=True)  # fmt: skip
+                  f"{pp.wall_s:.2f} s: {throughput_ratio(pairs[-1]):.2f}x (ceiling "
+                  f"{ceiling_ratio(pairs[-1]):.2f}x)", flush=True)  # fmt: skip
     runs = pairs[-1]
     print_throughput(runs, num_prompt_tokens, num_output_tokens)
     print_stages(runs)
@@ -438,11 +476,14 @@ def print_repeats(pairs: list[list[RunResult]]) -> None:
     """The throughput ratio of every alternated pair, with their median and range: on a
     noisy machine one pair can be off by 10% and more either way."""
     ratios = [throughput_ratio(pair) for pair in pairs]
+    ceilings = [ceiling_ratio(pair) for pair in pairs]
     name, base_name = pairs[0][1].name, pairs[0][0].name
     print(
         f"throughput ratio {name} / {base_name} over {len(pairs)} alternated pairs: median "
         f"{statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x "
-        f"({', '.join(f'{r:.2f}' for r in ratios)})"
+        f"({', '.join(f'{r:.2f}' for r in ratios)}); ceiling with each pair's compute times: "
+        f"median {statistics.median(ceilings):.2f}x, range {min(ceilings):.2f}-"
+        f"{max(ceilings):.2f}x"
     )
 
 

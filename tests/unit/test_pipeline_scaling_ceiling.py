@@ -1,0 +1,39 @@
+"""``benchmarks/pipeline_scaling.py``'s ceiling: the least wall time a pipeline could take
+with the stages' measured compute spans (fill and drain included, nothing else)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from pipeline_scaling import RunResult, ceiling_ratio, least_wall_s  # noqa: E402
+
+
+def spans(*lengths: float) -> list[tuple[float, float]]:
+    """Back-to-back spans of these lengths (their placement does not matter)."""
+    out, t = [], 0.0
+    for n in lengths:
+        out.append((t, t + n))
+        t += n
+    return out
+
+
+def test_least_wall_is_the_busiest_stage_plus_its_fill_and_drain():
+    # stage 0: 1 + 3 x 2 = 7; stage 1: 2 x 3 + 1 = 7. Stage 0's work then stage 1's last
+    # micro-batch (1): 8; stage 0's first (1) then all of stage 1: 8.
+    assert least_wall_s([spans(1, 2, 2, 2), spans(2, 2, 2, 1)]) == pytest.approx(8.0)
+    # a slow middle stage: 1 (stage 0's first) + 10 + 0.5 (stage 2's last)
+    three = [spans(1, 1, 1), spans(4, 3, 3), spans(2, 2, 0.5)]
+    assert least_wall_s(three) == pytest.approx(11.5)
+    assert least_wall_s([spans(3, 4)]) == pytest.approx(7.0)  # one stage: its compute
+
+
+def test_ceiling_ratio_is_pp1_wall_over_the_least_pipelined_wall():
+    base = RunResult("PP=1", wall_s=16.0)
+    pp = RunResult("PP=2", wall_s=10.0)
+    pp.stage_spans = [{"execute": spans(1, 2, 2, 2)}, {"execute": spans(2, 2, 2, 1)}]
+    assert ceiling_ratio([base, pp]) == pytest.approx(2.0)  # 16 / 8, not 16 / 7 nor 16 / 10
