@@ -378,8 +378,8 @@ def print_stages(runs: list[RunResult]) -> None:
     print(
         f"{pp.name} compute: sum over stages {sum(pp_compute):.2f} s vs {base.name} "
         f"{total(base.stage_spans[0]['execute']):.2f} s (the same tokens; by kind below: "
-        f"a decode-only step runs as one micro-batch per micro-batch in flight, each reading "
-        f"all of a stage's weights); slowest stage {max(pp_compute):.2f} s = the least "
+        f"a decode-only step runs as one micro-batch per stage, each reading all of a "
+        f"stage's weights); slowest stage {max(pp_compute):.2f} s = the least "
         f"{pp.name} wall possible"
     )
 

@@ -171,6 +171,14 @@ class ParallelConfig:
     stages instead)."""
     num_microbatches_in_flight: int | None = None
     """Plans outstanding at once; ``None`` = ``pipeline_parallel_size``."""
+    num_decode_microbatches_in_flight: int | None = None
+    """The limit while every micro-batch is decode-only (no prompt has tokens left to issue
+    and no arrived request waits); ``None`` = ``pipeline_parallel_size``, never more than
+    ``num_microbatches_in_flight``. A decode-only micro-batch reads all of a stage's weights
+    whatever its size, so spreading a step's decodes over more micro-batches than stages
+    adds weight reads without keeping a stage busier; set it to
+    ``num_microbatches_in_flight`` to keep every micro-batch in flight (where decodes are
+    compute-bound and the loop back to the driver is long against a decode)."""
     executor: str = "auto"
     """``uniproc`` (one process), ``ray`` (one actor per stage, a Ray task per stage per
     micro-batch, hidden states over torch.distributed), ``ray_compiled`` (the same actors
@@ -204,6 +212,15 @@ class ParallelConfig:
                 f"supported, only 1; split the model over stages with pipeline_parallel_size"
             )
         _check_opt_int("num_microbatches_in_flight", self.num_microbatches_in_flight, 1)
+        _check_opt_int(
+            "num_decode_microbatches_in_flight", self.num_decode_microbatches_in_flight, 1
+        )
+        if (self.num_decode_microbatches_in_flight or 0) > self.microbatches_in_flight:
+            raise ValueError(
+                f"num_decode_microbatches_in_flight={self.num_decode_microbatches_in_flight} "
+                f"exceeds num_microbatches_in_flight={self.microbatches_in_flight}: it is the "
+                f"limit while only decodes run, at most the limit itself"
+            )
         _check_opt_int("num_threads_per_stage", self.num_threads_per_stage, 1)
         _check_int("max_stage_restarts", self.max_stage_restarts, 0)
         if self.inject_fault is not None:
@@ -246,6 +263,12 @@ class ParallelConfig:
     @property
     def microbatches_in_flight(self) -> int:
         return self.num_microbatches_in_flight or self.pipeline_parallel_size
+
+    @property
+    def decode_microbatches_in_flight(self) -> int:
+        """``num_decode_microbatches_in_flight`` resolved: at most ``microbatches_in_flight``."""
+        n = self.num_decode_microbatches_in_flight or self.pipeline_parallel_size
+        return min(n, self.microbatches_in_flight)
 
 
 @dataclass(frozen=True)
@@ -324,6 +347,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "num_microbatches_in_flight": ("parallel", "num_microbatches_in_flight"),
+    "num_decode_microbatches_in_flight": ("parallel", "num_decode_microbatches_in_flight"),
     "executor": ("parallel", "executor"),
     "num_threads_per_stage": ("parallel", "num_threads_per_stage"),
     "stage_timeout_s": ("parallel", "stage_timeout_s"),

@@ -104,6 +104,8 @@ class LLMEngine(PipelineFaults):
         )  # fmt: skip
         self.executor.init_kv_cache(self.num_kv_blocks, self.block_size)
         # Scheduling ahead: one micro-batch more in flight, its decodes fed by the ring.
+        # The most in flight; while only decodes run, the scheduler's limit may be lower
+        # (``_inflight_limit``).
         self.schedule_ahead = self.placement.schedule_ahead
         self.max_inflight = config.parallel.microbatches_in_flight + int(self.schedule_ahead)
         if config.parallel.pipeline_parallel_size > 1:
@@ -149,7 +151,7 @@ class LLMEngine(PipelineFaults):
         return create_scheduler(
             config, self.num_kv_blocks, self.block_size, self.max_model_len,
             self.config.parallel.microbatches_in_flight,  # decode groups: not the one ahead
-            b, first_microbatch_id,
+            b, first_microbatch_id, self.config.parallel.decode_microbatches_in_flight,
         )  # fmt: skip
 
     def now(self) -> float:
@@ -222,7 +224,8 @@ class LLMEngine(PipelineFaults):
             # whether the in-flight limit held back a micro-batch the scheduler had work for
             # (not full: every sequence that could run is in flight, or no KV block is free).
             wait = self.now()
-            full = len(self._inflight) >= self.max_inflight and self.scheduler.has_ready_work(
+            limit = self._inflight_limit(wait)
+            full = len(self._inflight) >= limit and self.scheduler.has_ready_work(
                 wait, ahead=self.schedule_ahead
             )
             microbatch, result = self.executor.wait_oldest()
@@ -237,14 +240,18 @@ class LLMEngine(PipelineFaults):
             self.recorder.idle(self.now(), IDLE_NO_WORK)
         return self._take_aborted() + outputs
 
+    def _inflight_limit(self, now: float) -> int:
+        """Micro-batches that may be in flight now: ``max_inflight``, or fewer while only
+        decodes run (``Scheduler.microbatch_limit``: ``num_decode_microbatches_in_flight``)."""
+        return self.scheduler.microbatch_limit(now) + int(self.schedule_ahead)
+
     def _take_aborted(self) -> list[RequestOutput]:
         aborted, self._aborted = self._aborted, []
         return aborted
 
     def _issue(self) -> None:
         """Issue every micro-batch the scheduler can, up to the in-flight limit."""
-        while len(self._inflight) < self.max_inflight:
-            now = self.now()
+        while len(self._inflight) < self._inflight_limit(now := self.now()):
             # Ahead: decodes of the tokens micro-batches at least num_stages older than this
             # one are sampling (stage 0 reaches it about when the last stage has them).
             ring_upto = -1

@@ -59,14 +59,22 @@ class Scheduler(ABC):
         num_microbatches_in_flight: int = 1,
         max_decode_batch: int | None = None,
         first_microbatch_id: int = 0,
+        num_decode_microbatches_in_flight: int | None = None,
     ) -> None:
         """``max_decode_batch``: B of ``chunk_size: auto``'s plan (the engine's figure from
         the stages' memory); ``None`` = what ``num_blocks`` holds (``kv_decode_batch``).
         ``first_microbatch_id``: the id of the first micro-batch (a scheduler that replaces
-        another on the same stages continues its ids: they stay unique per run)."""
+        another on the same stages continues its ids: they stay unique per run).
+        ``num_decode_microbatches_in_flight``: the limit while only decodes run
+        (``microbatch_limit``); ``None`` = ``num_microbatches_in_flight``."""
         self.config = config
         self.max_model_len = max_model_len
         self.num_microbatches_in_flight = num_microbatches_in_flight
+        self.num_decode_microbatches_in_flight = min(
+            num_decode_microbatches_in_flight or num_microbatches_in_flight,
+            num_microbatches_in_flight,
+        )
+        self._decode_groups = num_microbatches_in_flight  # this schedule()'s limit
         self.block_manager = BlockManager(num_blocks, block_size)
         self.waiting: deque[Sequence] = deque()  # FCFS; preempted sequences go to the front
         self.running: list[Sequence] = []  # admitted, oldest admission first
@@ -150,6 +158,29 @@ class Scheduler(ABC):
                 return True
         return False
 
+    def microbatch_limit(self, now: float) -> int:
+        """How many micro-batches may be in flight now (the engine's limit; scheduling
+        ahead adds its one on top): ``num_microbatches_in_flight``, or
+        ``num_decode_microbatches_in_flight`` while every micro-batch would be decode-only
+        (no prompt has tokens left to issue, no arrived request waits). The running decodes
+        are shared out over as many micro-batches (``_decode_share``).
+
+        Why fewer then: a decode-only micro-batch is memory-bound, each reads all of a
+        stage's weights whatever its size, so a step's decodes spread over M micro-batches
+        cost each stage M weight reads where P (the stages) keep every stage as busy. The
+        micro-batches above P pay off while prompts remain: they hide the loop back to the
+        driver behind the compute of prefill chunks. O(running), stopping at the first
+        prompt with tokens left."""
+        n = self.num_decode_microbatches_in_flight
+        if n < self.num_microbatches_in_flight and self._decode_only(now):
+            return n
+        return self.num_microbatches_in_flight
+
+    def _decode_only(self, now: float) -> bool:
+        if next(self._iter_arrived(now), None) is not None:
+            return False
+        return not any(s.is_schedulable and not s.is_decode for s in self.running)
+
     def finish(self, seq: Sequence, status: SequenceStatus, now: float, reason=None) -> None:
         """End ``seq``; its blocks are freed now, or when its last micro-batch in flight is done."""
         if seq.is_finished:
@@ -176,6 +207,7 @@ class Scheduler(ABC):
         this id are sampling (-1: none; the engine's ``parallel.schedule_ahead``)."""
         self._ring_upto = ring_upto
         self._ahead = set()
+        self._decode_groups = self.microbatch_limit(now)
         selection = self._select(now)
         if not selection:
             self.idle_reason = IDLE_DEPENDENCY if self._has_arrived_work(now) else IDLE_NO_WORK
@@ -285,7 +317,7 @@ class Scheduler(ABC):
         """Most decodes one micro-batch takes: its share of the running sequences, so that
         the micro-batches in flight are alike instead of the first one holding every decode
         and the ones behind it none (the same rule for every policy)."""
-        return max(1, -(-len(self.running) // self.num_microbatches_in_flight))
+        return max(1, -(-len(self.running) // self._decode_groups))
 
     def _partial_prefills(self) -> list[Sequence]:
         """Admitted sequences whose prompt (or recompute) is not fully issued yet."""

@@ -40,9 +40,11 @@ def create_scheduler(
     num_microbatches_in_flight: int = 1,
     max_decode_batch: int | None = None,
     first_microbatch_id: int = 0,
+    num_decode_microbatches_in_flight: int | None = None,
 ) -> Scheduler:
     """``max_decode_batch``: B for ``chunk_size: auto``; ``first_microbatch_id``: where the
-    micro-batch ids start (see ``Scheduler``)."""
+    micro-batch ids start; ``num_decode_microbatches_in_flight``: the limit while only
+    decodes run (see ``Scheduler``)."""
     return policy_class(config.policy)(
         config,
         num_blocks=num_blocks,
@@ -51,4 +53,5 @@ def create_scheduler(
         num_microbatches_in_flight=num_microbatches_in_flight,
         max_decode_batch=max_decode_batch,
         first_microbatch_id=first_microbatch_id,
+        num_decode_microbatches_in_flight=num_decode_microbatches_in_flight,
     )

@@ -44,13 +44,14 @@ def test_engine_records_the_driver_times(llama_dir, tmp_path, in_flight):
 
 def test_a_wait_with_every_sequence_in_flight_is_the_loads_own(llama_dir, tmp_path):
     """Two requests, two micro-batches in flight: after the prompts each decode rides in its
-    own micro-batch, so the in-flight limit is reached with nothing else to issue. Those
-    waits are not ``full`` (more micro-batches in flight would not fill them): the report
-    counts them as ``load``, not ``in_flight`` (tests/unit/test_runtime_split.py)."""
+    own micro-batch (two decode micro-batches in flight too: the default would be one per
+    stage), so the in-flight limit is reached with nothing else to issue. Those waits are
+    not ``full`` (more micro-batches in flight would not fill them): the report counts them
+    as ``load``, not ``in_flight`` (tests/unit/test_runtime_split.py)."""
     run = tmp_path / "run"
     llm = LLM(
         str(llama_dir), max_model_len=64, run_dir=str(run), chunk_size=32,
-        num_microbatches_in_flight=2,
+        num_microbatches_in_flight=2, num_decode_microbatches_in_flight=2,
     )  # fmt: skip
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     llm.generate([[5, 9, 14, 3, 7, 21], [8, 2, 30, 11]], params, use_tqdm=False)

@@ -58,6 +58,18 @@ def test_dotted_keys_and_replace():
     assert cfg.scheduler.chunk_size == 64 and cfg.model.dtype == "auto"  # original untouched
 
 
+def test_decode_microbatches_in_flight_default_to_the_stages_capped_by_the_limit():
+    p = make_config(pipeline_parallel_size=2, num_microbatches_in_flight=3).parallel
+    assert (p.microbatches_in_flight, p.decode_microbatches_in_flight) == (3, 2)
+    p = make_config(pipeline_parallel_size=4, num_microbatches_in_flight=2).parallel
+    assert p.decode_microbatches_in_flight == 2  # never more than the limit itself
+    p = make_config(
+        pipeline_parallel_size=2, num_microbatches_in_flight=3, num_decode_microbatches_in_flight=3
+    ).parallel
+    assert p.decode_microbatches_in_flight == 3
+    assert make_config().parallel.decode_microbatches_in_flight == 1
+
+
 def test_configs_are_frozen():
     cfg = EngineConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -96,6 +108,11 @@ def test_unknown_dotted_key_names_it_and_lists_allowed():
         (dict(prefault_kv_cache="yes"), "prefault must be true or false, got 'yes'"),
         (dict(pipeline_parallel_size=0), "pipeline_parallel_size.*0"),
         (dict(num_microbatches_in_flight=0), "num_microbatches_in_flight.*0"),
+        (dict(num_decode_microbatches_in_flight=0), "num_decode_microbatches_in_flight.*0"),
+        (
+            dict(pipeline_parallel_size=2, num_decode_microbatches_in_flight=3),
+            "num_decode_microbatches_in_flight=3 exceeds num_microbatches_in_flight=2",
+        ),
         (dict(model=""), "model.*''"),
         (dict(max_model_len=0), "max_model_len.*0"),
         (dict(max_waiting=0), "max_waiting.*0"),

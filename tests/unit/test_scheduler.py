@@ -85,11 +85,17 @@ def make_requests(num: int, seed: int, max_prompt: int = 40, max_out: int = 12) 
 
 
 def make_scheduler(
-    policy: str, num_blocks: int = 64, block_size: int = 4, num_inflight: int = 1, **kw
+    policy: str,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    num_inflight: int = 1,
+    num_decode_inflight: int | None = None,
+    **kw,
 ) -> Scheduler:
     return create_scheduler(
-        SchedulerConfig(policy=policy, **kw), num_blocks, block_size, MAX_MODEL_LEN, num_inflight
-    )
+        SchedulerConfig(policy=policy, **kw), num_blocks, block_size, MAX_MODEL_LEN,
+        num_inflight, num_decode_microbatches_in_flight=num_decode_inflight,
+    )  # fmt: skip
 
 
 def make_seq(req: Request) -> Sequence:
@@ -104,6 +110,8 @@ class SimResult:
     idle_reasons: list[tuple[str | None, int]] = field(default_factory=list)  # (reason, inflight)
     # (has_ready_work before, schedule() gave a micro-batch, it preempted) per schedule call
     readiness: list[tuple[bool, bool, bool]] = field(default_factory=list)
+    # per micro-batch: the micro-batches in flight when it was issued, and the limit then
+    issued_at: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Checker:
@@ -119,10 +127,12 @@ class Checker:
         self.preemptions_seen: dict[int, int] = {}
         self.last_kind: str | None = None
 
-    def before(self) -> None:
+    def before(self, now: float) -> None:
         self.ready_decodes = {s.seq_id for s in self.sched.running if s.is_decode}
         self.known = {s.seq_id: s.num_tokens for s in self.sched.seqs.values()}
-        self.decode_share = self.sched._decode_share()  # this micro-batch's share of the decodes
+        # this micro-batch's share of the decodes: the running ones over the limit in force
+        groups = self.sched.microbatch_limit(now)
+        self.decode_share = max(1, -(-len(self.sched.running) // groups))
 
     def check(self, microbatch: MicroBatch, inflight: deque[MicroBatch], now: float) -> None:
         cfg, sched = self.cfg, self.sched
@@ -202,8 +212,9 @@ class Checker:
 def simulate(
     sched: Scheduler, reqs: list[Request], num_inflight: int, max_steps: int = 20_000
 ) -> SimResult:
-    """An engine-like loop: up to ``num_inflight`` micro-batches outstanding, done in issue order;
-    a request finishes at ``max_tokens`` (FINISHED_LENGTH); one time unit per step."""
+    """An engine-like loop: up to ``num_inflight`` micro-batches outstanding (fewer while
+    the scheduler's ``microbatch_limit`` says so), done in issue order; a request finishes
+    at ``max_tokens`` (FINISHED_LENGTH); one time unit per step."""
     bm = sched.block_manager
     model = FakeModel(bm.num_blocks, bm.block_size)
     seqs = {r.seq_id: make_seq(r) for r in reqs}
@@ -216,8 +227,9 @@ def simulate(
     for _ in range(max_steps):
         if not (sched.has_unfinished() or inflight):
             break
-        while len(inflight) < num_inflight:
-            checker.before()
+        while len(inflight) < (limit := sched.microbatch_limit(now)):
+            assert limit <= num_inflight
+            checker.before(now)
             ready, preemptions = sched.has_ready_work(now), sched.num_preemptions
             microbatch = sched.schedule(now)
             preempted = sched.num_preemptions > preemptions
@@ -227,6 +239,7 @@ def simulate(
                 break
             assert sched.idle_reason is None
             checker.check(microbatch, inflight, now)
+            result.issued_at.append((len(inflight), limit))
             inflight.append(microbatch)
             result.microbatches.append(microbatch)
         if inflight:
@@ -265,12 +278,14 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("num_inflight", [1, 3])
+@pytest.mark.parametrize("num_inflight, num_decode_inflight", [(1, None), (3, None), (3, 2)])
 @pytest.mark.parametrize("config_name", list(CONFIGS))
 @pytest.mark.parametrize("policy", POLICIES)
-def test_simulation_matches_unbatched_reference(policy, config_name, num_inflight):
+def test_simulation_matches_unbatched_reference(
+    policy, config_name, num_inflight, num_decode_inflight
+):
     kw, num_blocks, block_size, expect_preemption = CONFIGS[config_name]
-    sched = make_scheduler(policy, num_blocks, block_size, num_inflight, **kw)
+    sched = make_scheduler(policy, num_blocks, block_size, num_inflight, num_decode_inflight, **kw)
     seed = list(CONFIGS).index(config_name)
     # Under a small cache: short prompts, long outputs, so that growing decodes collide.
     sizes = dict(max_prompt=24, max_out=24) if expect_preemption else {}
@@ -637,3 +652,51 @@ def test_max_waiting_refuses_past_the_limit(policy):
     microbatch = sched.schedule(10.0)  # both admitted: the queue has room again
     assert microbatch is not None and not sched.waiting
     sched.add(make_seq(reqs[2]))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_decode_only_steps_take_the_decode_limit(policy):
+    """M = 3 in flight, 2 while only decodes run: with prompts left a micro-batch takes at most
+    ceil(12 / 3) decodes; once every sequence decodes at most 2 micro-batches are in flight
+    and each takes ceil(12 / 2), so a decode step is 2 micro-batches, not 3."""
+    reqs = [Request(i, list(range(1, 9)), 20) for i in range(12)]
+
+    def run(num_decode_inflight):
+        sched = make_scheduler(
+            policy, 512, 4, 3, num_decode_inflight, chunk_size=64, tile_align=False
+        )
+        return simulate(sched, reqs, num_inflight=3)
+
+    two, three = run(2), run(None)
+    for result in (two, three):  # the same outputs either way
+        for r in reqs:
+            assert result.outputs[r.seq_id] == reference_output(r.seq_id, r.prompt, r.max_tokens)
+    decode_only = [
+        (mb.num_decode_tokens, at) for mb, at in zip(two.microbatches, two.issued_at)
+        if not mb.num_prefill_tokens
+    ]  # fmt: skip
+    assert all(n <= 6 and inflight < limit == 2 for n, (inflight, limit) in decode_only)
+    assert [n for n, _ in decode_only].count(6) >= 20, decode_only
+    assert all(
+        mb.num_decode_tokens <= 4 for mb in two.microbatches if mb.num_prefill_tokens
+    )  # while prompts remain, the decodes are shared out over the 3
+    steps = [sum(1 for mb in r.microbatches if not mb.num_prefill_tokens) for r in (two, three)]
+    assert steps[0] < 0.75 * steps[1], steps  # 2 micro-batches per decode step, not 3
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_microbatch_limit_is_the_decode_limit_only_while_only_decodes_run(policy):
+    sched = make_scheduler(policy, 512, 4, 3, 2, chunk_size=4, tile_align=False)
+    assert sched.microbatch_limit(0.0) == 2  # nothing there at all
+    sched.add(make_seq(Request(0, list(range(1, 11)), 5, arrival_time=1.0)))
+    assert sched.microbatch_limit(0.0) == 2  # not arrived yet
+    assert sched.microbatch_limit(1.0) == 3  # arrived: its prompt waits
+    microbatch = sched.schedule(1.0)
+    assert microbatch is not None
+    chunked = microbatch.num_prefill_tokens < 10  # vllm and orca issue the whole prompt
+    assert chunked == sched.chunks_prompts
+    assert sched.microbatch_limit(1.0) == (3 if chunked else 2)  # prompt tokens left or not
+    while (microbatch := sched.schedule(1.0)) is not None:
+        pass
+    assert sched.microbatch_limit(1.0) == 2  # the whole prompt is issued
+    assert make_scheduler(policy, 512, 4, 3, 5).microbatch_limit(0.0) == 3  # capped at M

@@ -65,8 +65,9 @@ class Harness:
         self.sched.add(seq)
 
     def issue(self) -> None:
-        while len(self.inflight) < self.num_inflight:
-            self.checker.before()
+        while len(self.inflight) < (limit := self.sched.microbatch_limit(self.now)):
+            assert limit <= self.num_inflight
+            self.checker.before(self.now)
             microbatch = self.sched.schedule(self.now)
             if microbatch is None:
                 return
@@ -130,14 +131,18 @@ class Harness:
 @given(
     policy=st.sampled_from(POLICIES),
     num_inflight=st.integers(1, 3),
+    num_decode_inflight=st.integers(1, 3),  # at most num_inflight: the scheduler caps it
     num_blocks=st.integers(13, 40),  # 13 blocks of 4 = 52 slots: the longest request fits
     chunk_size=st.integers(1, 48),
     ops=st.lists(OPS, max_size=60),
 )
-def test_random_operations_keep_the_invariants(policy, num_inflight, num_blocks, chunk_size, ops):
+def test_random_operations_keep_the_invariants(
+    policy, num_inflight, num_decode_inflight, num_blocks, chunk_size, ops
+):
     sched = make_scheduler(
-        policy, num_blocks, 4, num_inflight, chunk_size=chunk_size, tile_align=False
-    )
+        policy, num_blocks, 4, num_inflight, num_decode_inflight, chunk_size=chunk_size,
+        tile_align=False,
+    )  # fmt: skip
     h = Harness(sched, num_inflight)
     for op, *args in ops:
         getattr(h, op)(*args)

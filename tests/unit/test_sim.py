@@ -239,6 +239,40 @@ def test_inflight_limit_setting_is_obeyed(model_dir: Path, tmp_path: Path):
         assert b.t >= done[a.mb]  # one at a time: the next waits for the previous' tokens
 
 
+def test_decode_only_steps_take_one_microbatch_per_stage(model_dir: Path, tmp_path: Path):
+    """PP=2 with 3 in flight: once no prompt has tokens left, at most 2 micro-batches (the
+    stages: ``num_decode_microbatches_in_flight``'s default) are in flight and the decodes
+    are shared out over them; with the limit at 3 the same run issues a third more
+    decode-only micro-batches, each reading all of a stage's weights: more compute. (Whether
+    the run ends sooner depends on the loop back to the driver against a decode's compute:
+    on this toy model a decode takes microseconds, the loop back longer.)"""
+    runs = {}
+    for decode_limit in (None, 3):
+        cluster = _cluster(
+            model_dir, pp=2, chunk_size=128, num_microbatches_in_flight=3,
+            num_decode_microbatches_in_flight=decode_limit, schedule_ahead=False,
+        )  # fmt: skip
+        run = tmp_path / f"decode-{decode_limit}"
+        summary = cluster.serve_run(_requests(12, prompt=100, output=30), run)
+        assert summary["requests"]["num_generated_tokens"] == 12 * 30
+        runs[decode_limit] = (load_log(run / "events.jsonl"), summary)
+    for decode_limit, (log, _) in runs.items():
+        done = dict(log.dones)
+        decode_only = [i for i in log.issues if i.kind == "decode"]
+        assert len(decode_only) > 20
+        most = max(
+            sum(1 for j in log.issues if j.t <= i.t and done[j.mb] > i.t) for i in decode_only
+        )  # in flight when a decode-only micro-batch was issued, itself included
+        assert most == (decode_limit or 2), (decode_limit, most)
+    counts = {d: sum(1 for i in log.issues if i.kind == "decode") for d, (log, _) in runs.items()}
+    assert counts[None] < 0.8 * counts[3], counts
+    busy = {
+        d: sum(e.compute_end - e.compute_start for st in log.stages for e in st if e.kind == "decode")
+        for d, (log, _) in runs.items()
+    }  # fmt: skip
+    assert busy[None] < 0.9 * busy[3], busy
+
+
 def test_report_reads_a_simulated_run(model_dir: Path, tmp_path: Path):
     from sarathi_pp.cli import main
 
