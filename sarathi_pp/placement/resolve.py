@@ -89,7 +89,7 @@ def resolve_schedule_ahead(
     has a core of its own (stages on GPUs, or CPU stages whose threads leave a core free).
     Scheduling ahead moves the driver's work beside the stages' compute: where the stages'
     threads take every core it competes with them and slows them down (measured on 2
-    cores: README, "Scheduling ahead")."""
+    cores: docs/control-plane.md, "Scheduling ahead")."""
     p = config.parallel
     if p.schedule_ahead != "auto":
         return bool(p.schedule_ahead), "parallel.schedule_ahead"
