@@ -20,7 +20,10 @@ them):
   micro-batches in flight) or no KV block free, whether the limit was reached or not
   (``Scheduler.has_ready_work``): the load's own share. At the end of a run's prefills,
   say, every sequence is in the last hybrids in flight and stage 0 waits for the slower
-  last stage to finish them: more micro-batches in flight would not fill that wait.
+  last stage to finish them: more micro-batches in flight would not fill that wait. (With
+  ``num_decode_microbatches_in_flight`` below the limit, the first decodes back from those
+  hybrids are held until the next one is: ``full``, so ``in_flight``, though stage 0 would
+  wait for the last stage all the same.)
 - ``driver``: the rest, when the driver was not waiting: processing the outputs of the
   micro-batch before, the loop around ``step()``, a scheduling attempt that found nothing.
 
