@@ -29,7 +29,8 @@ Schema version 3 (``SCHEMA_VERSION``; a version 1 or 2 log, which lacks what is 
 ``done``    the driver received a micro-batch's sampled tokens: ``mb``, ``t``; since 2,
             optional: ``wait`` (the driver began waiting for them: before, it was busy) and
             ``full`` (true: the in-flight limit in force, ``num_decode_microbatches_in_flight``
-            while only decodes run, held back a micro-batch the scheduler had work for; false: the scheduler had nothing to issue, every sequence that could
+            while only decodes run, held back a micro-batch the scheduler had work for;
+            false: the scheduler had nothing to issue, every sequence that could
             run being in flight or no KV block free, the limit reached or not; before
             2026-12-03 true whenever the limit was reached). See ``report/runtime_split.py``.
 ``chunk_size`` the token budget in force from ``t`` on (``t``, ``chunk_size``): written

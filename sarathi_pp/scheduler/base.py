@@ -169,17 +169,16 @@ class Scheduler(ABC):
         stage's weights whatever its size, so a step's decodes spread over M micro-batches
         cost each stage M weight reads where P (the stages) keep every stage as busy. The
         micro-batches above P pay off while prompts remain: they hide the loop back to the
-        driver behind the compute of prefill chunks. O(running), stopping at the first
-        prompt with tokens left."""
+        driver behind the compute of prefill chunks. O(running) when the two limits
+        differ, else nothing to look at."""
         n = self.num_decode_microbatches_in_flight
         if n < self.num_microbatches_in_flight and self._decode_only(now):
             return n
         return self.num_microbatches_in_flight
 
     def _decode_only(self, now: float) -> bool:
-        if next(self._iter_arrived(now), None) is not None:
-            return False
-        return not any(s.is_schedulable and not s.is_decode for s in self.running)
+        """No arrived request waits and no admitted prompt has tokens left to issue."""
+        return next(self._iter_arrived(now), None) is None and not self._partial_prefills()
 
     def finish(self, seq: Sequence, status: SequenceStatus, now: float, reason=None) -> None:
         """End ``seq``; its blocks are freed now, or when its last micro-batch in flight is done."""
