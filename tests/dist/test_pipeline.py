@@ -1,6 +1,7 @@
 """Pipeline parallelism on CPU (gloo): Ray stage actors and torchrun ranks give the greedy
 tokens of Hugging Face and of one stage, for every scheduler, chunk sizes, PP = 2, 3, 4,
-with preemption; a killed stage is a clear error, not a hang.
+with preemption, with more micro-batches in flight than stages; a killed stage is a clear
+error, not a hang.
 
 Stage processes cost seconds each on 2 cores, so one PP=2 engine serves the whole policy
 x chunk-size matrix (``set_scheduler`` keeps the stages), and PP=3 / PP=4 run a subset:
@@ -129,6 +130,58 @@ def test_pp3_pp4(ray_cluster, tiny_model, variant, num_stages):
             check_against_hf(model_dir, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
 
 
+def record_inflight(engine) -> list[tuple[int, int]]:
+    """From now on, per micro-batch ``engine`` hands its executor: how many are in flight
+    with it, and whether it carries prompt tokens (the list fills as it runs)."""
+    submit, seen = engine.executor.submit, []
+
+    def recording(microbatch) -> None:
+        seen.append((engine.num_inflight, microbatch.num_prefill_tokens))
+        submit(microbatch)
+
+    engine.executor.submit = recording
+    return seen
+
+
+@pytest.mark.parametrize("num_stages, in_flight", [(2, 3), (3, 4)])
+def test_more_microbatches_than_stages_equals_one_stage_for_every_policy(
+    ray_cluster, llama3_rope_dir, num_stages, in_flight
+):
+    """The default executor (a Ray task per stage per micro-batch) with one micro-batch more
+    in flight than stages, and the decode limit at its default (one per stage): the tokens
+    of one stage for every policy. The limits hold in the real engine: never more than the
+    stages in flight once the last prompt chunk was issued (all requests arrive at once, so
+    from there on only decodes run), all M while the policies that chunk prompts have
+    chunks left."""
+    prompts = make_prompts(lens=(3, 17, 60, 150, 41), seed=num_stages)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(str(llama3_rope_dir), max_model_len=256) as pp1:
+        reference = {}
+        for policy in SCHEDULERS:
+            pp1.engine.set_scheduler(policy=policy, chunk_size=16, tile_align=False)
+            reference[policy] = [
+                o.outputs[0].token_ids for o in pp1.generate(prompts, params, use_tqdm=False)
+            ]
+    assert len({tuple(t) for t in reference["sarathi"]}) > 1  # varied: equality means something
+    with LLM(
+        str(llama3_rope_dir), max_model_len=256, pipeline_parallel_size=num_stages,
+        num_microbatches_in_flight=in_flight,
+    ) as llm:  # fmt: skip
+        assert llm.engine.max_inflight == in_flight
+        seen = record_inflight(llm.engine)
+        for policy in SCHEDULERS:
+            llm.engine.set_scheduler(policy=policy, chunk_size=16, tile_align=False)
+            start = len(seen)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == reference[policy], policy
+            run = seen[start:]
+            last_prompt = max(i for i, (_, p) in enumerate(run) if p)
+            tail = run[last_prompt + 1 :]
+            if llm.engine.scheduler.chunks_prompts:  # whole prompts may fill fewer
+                assert max(n for n, _ in run) == in_flight, policy
+            assert len(tail) >= 11 and max(n for n, _ in tail) == num_stages, (policy, tail)
+
+
 def test_more_stages_than_layers_is_refused_before_start(llama_dir):
     with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
         LLM(str(llama_dir), pipeline_parallel_size=3)
@@ -145,14 +198,23 @@ def test_killed_stage_is_a_clear_error(ray_cluster, llama_dir):
     assert llm.engine.executor.actors == []  # released
 
 
-def test_torchrun_matches_pp1(llama_dir, tmp_path):
-    prompts = ["Hello", "The pipeline has two stages", "x"]
+@pytest.mark.parametrize(
+    "scheduler, chunk_size, in_flight", [("sarathi", 256, None), ("sarathi", 8, 3), ("vllm", 8, 3)]
+)
+def test_torchrun_matches_pp1(llama_dir, tmp_path, scheduler, chunk_size, in_flight):
+    """Rank 0 drives the ranks with the engine's own limits: the default (one micro-batch
+    per stage), and one more in flight than stages with prompts in chunks (the decode limit
+    taking over after the last chunk) or whole (vllm)."""
+    prompts = ["Hello", "The pipeline has two stages", "x", "a longer prompt " * 4]
     out = tmp_path / "out.jsonl"
     cmd = torchrun_command(
         llama_dir, "--pipeline-parallel-size", "2", "--max-tokens", "8", "--ignore-eos",
-        "--output", str(out), "--set", "model.max_model_len=256",
+        "--output", str(out), "--scheduler", scheduler, "--chunk-size", str(chunk_size),
+        "--set", "scheduler.tile_align=false", "--set", "model.max_model_len=256",
         "--set", "parallel.stage_timeout_s=60",
     )  # fmt: skip
+    if in_flight:
+        cmd += ["--set", f"parallel.num_microbatches_in_flight={in_flight}"]
     for p in prompts:
         cmd += ["--prompt", p]
     proc = subprocess.run(
@@ -160,12 +222,14 @@ def test_torchrun_matches_pp1(llama_dir, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    with LLM(str(llama_dir), max_model_len=256) as pp1:
+    with LLM(str(llama_dir), max_model_len=256, scheduler=scheduler, chunk_size=chunk_size,
+             tile_align=False) as pp1:  # fmt: skip
         ref = pp1.generate(
             prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False
         )
     assert [r["prompt"] for r in records] == prompts
     assert [r["token_ids"] for r in records] == [o.outputs[0].token_ids for o in ref]
+    assert len({tuple(r["token_ids"]) for r in records}) > 1
 
 
 def test_torchrun_world_size_must_match(llama_dir):
