@@ -15,9 +15,9 @@ ms in the other order), 1.00x at 256 rows; decode steps in ``benchmarks/piggybac
 tokens of context) with and without, alternated three times: 1 decode 1.02-1.08x, 8 decodes
 1.01-1.05x, 16 decodes 0.95-1.07x (within this machine's noise).
 
-The KV cache's memory comes from numpy (``kv_cache._zeros``), which already advises huge
-pages for its large buffers (numpy >= 1.16 on Linux >= 4.6); ``KVCache`` advises them itself
-as well, so the cache keeps them whatever allocates it. The packed weights came from torch's
+The KV cache's memory is an anonymous mapping of its own (``kv_cache._zeros``), which
+``KVCache`` advises for huge pages before any page is touched (until 2026-12-03 it came from
+numpy, which advises them for its large buffers too). The packed weights came from torch's
 allocator, which does not (unless ``THP_MEM_ALLOC_ENABLE=1``): ``linear.Linear`` packs into
 ``empty_huge``.
 

@@ -15,7 +15,6 @@ import mmap
 import sys
 import time
 
-import numpy as np
 import torch
 
 from sarathi_pp.stages import host_pages
@@ -72,13 +71,29 @@ class KVCache:
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros, not empty: a masked-out slot still enters the matmul as 0 * value, and
-    uninitialised memory could hold NaN (0 * NaN = NaN). On CPU the zeros come from calloc
-    (numpy), whose pages the kernel maps lazily: a large cache costs memory only as its
-    blocks are written, where ``torch.zeros`` would touch every page up front."""
+    uninitialised memory could hold NaN (0 * NaN = NaN). On CPU the zeros are an anonymous
+    mapping of their own: the kernel's zero pages, backed by memory only as the blocks are
+    written, where ``torch.zeros`` would touch every page up front.
+
+    Not calloc (numpy's ``np.zeros``, before): calloc serves a request from a free region of
+    the C heap when one is large enough, whatever its size, and must then clear it, touching
+    every page. Earlier frees leave such regions (a freed mmapped chunk raises glibc's mmap
+    threshold, so the next large buffers come from the heap), and a 32 MiB cache came back
+    fully resident after the tests before it had run (tests/model/test_kv_cache_pages.py).
+    ``KVCache`` advises huge pages for it (Note [huge pages]) before any page is touched."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # Private: Python's default for an anonymous map is shared memory (shmem), which the
+    # kernel neither counts nor pages like the heap, and gives no anonymous huge pages.
+    if hasattr(mmap, "MAP_PRIVATE"):
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    else:  # no flags to give (Windows): a map of its own, private to this process
+        buf = mmap.mmap(-1, nbytes)
+    # The tensor keeps the mapping alive; it is unmapped when the last view of it goes.
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def populate(t: torch.Tensor) -> None:

@@ -8,9 +8,9 @@ times it. A stage after the first gets random hidden states in place of its pred
 
 The KV cache is filled with random values instead of by prefills of every context
 (minutes): attention costs the same whatever the values, but not whatever the memory. On
-CPU the cache's zeros come from calloc, and a page never written reads from the kernel's
-one shared zero page, always in cache: attention over it would look cheaper than over a
-context a run wrote. Every sequence of a micro-batch gets blocks of its own, so decodes read as
+CPU the cache's zeros are a fresh anonymous mapping, and a page never written reads from
+the kernel's one shared zero page, always in cache: attention over it would look cheaper
+than over a context a run wrote. Every sequence of a micro-batch gets blocks of its own, so decodes read as
 much memory as in a run.
 """
 

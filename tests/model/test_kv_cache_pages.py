@@ -1,6 +1,7 @@
 """The CPU KV cache (``kv_cache._zeros``): zeros whose pages are mapped only as blocks are
-written, in transparent huge pages where Linux offers them on request: numpy advises
-``MADV_HUGEPAGE`` for its large buffers (``np.zeros``; torch's allocator does not unless
+written (an anonymous mapping of its own, whatever the C heap holds), in transparent huge
+pages where Linux offers them on request: ``KVCache`` advises ``MADV_HUGEPAGE`` for it (as
+numpy does for its large buffers; torch's allocator does not unless
 ``THP_MEM_ALLOC_ENABLE=1``). Attention reads blocks scattered over the cache, so a
 replacement allocator must keep both properties: one layer of 32 x 1k decode attention ran
 3-14% slower on a cache of 4 KiB pages (interleaved in one process). The packed weights ask for
@@ -90,6 +91,24 @@ def mapped_mib(t: torch.Tensor) -> float:
     if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) != 0:
         raise OSError(ctypes.get_errno(), "mincore failed")
     return sum(b & 1 for b in vec) * page / 2**20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore: Linux's")
+def test_cpu_cache_is_unmapped_even_where_the_c_heap_has_room():
+    """The state earlier tests left in a CI run: a freed mmapped chunk raised glibc's mmap
+    threshold, the next large buffers came from the heap and were freed, leaving a free
+    region larger than a layer's K. calloc would hand that region back and clear it (32 MiB
+    resident before any block was written); the cache's own mapping stays unmapped."""
+    big = torch.ones(30 << 20, dtype=torch.uint8)  # mmapped; its free raises the threshold
+    del big
+    heap = [torch.ones(20 << 20, dtype=torch.uint8) for _ in range(3)]  # now from the heap
+    fence = torch.ones(1 << 20, dtype=torch.uint8)  # keeps the freed region off the heap's top
+    del heap
+    cache = KVCache(1, 2048, 16, 4, 64, torch.float32, torch.device("cpu"))  # 32 MiB per K
+    for t in (cache.k[0], cache.v[0]):
+        assert mapped_mib(t) < 8, mapped_mib(t)
+        assert torch.count_nonzero(t) == 0
+    del fence
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and madvise: Linux's")
