@@ -10,8 +10,8 @@ The KV cache is filled with random values instead of by prefills of every contex
 (minutes): attention costs the same whatever the values, but not whatever the memory. On
 CPU the cache's zeros are a fresh anonymous mapping, and a page never written reads from
 the kernel's one shared zero page, always in cache: attention over it would look cheaper
-than over a context a run wrote. Every sequence of a micro-batch gets blocks of its own, so decodes read as
-much memory as in a run.
+than over a context a run wrote. Every sequence of a micro-batch gets blocks of its own,
+so decodes read as much memory as in a run.
 """
 
 from __future__ import annotations
