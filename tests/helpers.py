@@ -194,14 +194,20 @@ def torchrun_command(model_dir: Path, *args: str) -> list[str]:
     ]  # fmt: skip
 
 
-def record_ahead(engine: Any) -> list[bool]:
-    """From now on, for each micro-batch ``engine`` hands its executor, whether it was
-    scheduled ahead (takes decode inputs over the token ring); the list fills as it runs."""
-    submit, ahead = engine.executor.submit, []
+def record_submits(engine: Any, fact: Callable[[Any], Any]) -> list:
+    """From now on, ``fact(microbatch)`` for each micro-batch ``engine`` hands its executor,
+    taken as it is handed over; the list fills as it runs."""
+    submit, seen = engine.executor.submit, []
 
     def recording(microbatch: Any) -> None:
-        ahead.append(bool(microbatch.ring_sources))
+        seen.append(fact(microbatch))
         submit(microbatch)
 
     engine.executor.submit = recording
-    return ahead
+    return seen
+
+
+def record_ahead(engine: Any) -> list[bool]:
+    """From now on, for each micro-batch ``engine`` hands its executor, whether it was
+    scheduled ahead (takes decode inputs over the token ring); the list fills as it runs."""
+    return record_submits(engine, lambda microbatch: bool(microbatch.ring_sources))

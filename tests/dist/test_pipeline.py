@@ -18,7 +18,7 @@ import subprocess
 import time
 
 import pytest
-from helpers import assert_greedy_match, hf_greedy, torchrun_command
+from helpers import assert_greedy_match, hf_greedy, record_submits, torchrun_command
 
 from sarathi_pp import LLM, SamplingParams
 from sarathi_pp.executors import StageError
@@ -130,19 +130,6 @@ def test_pp3_pp4(ray_cluster, tiny_model, variant, num_stages):
             check_against_hf(model_dir, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
 
 
-def record_inflight(engine) -> list[tuple[int, int]]:
-    """From now on, per micro-batch ``engine`` hands its executor: how many are in flight
-    with it, and whether it carries prompt tokens (the list fills as it runs)."""
-    submit, seen = engine.executor.submit, []
-
-    def recording(microbatch) -> None:
-        seen.append((engine.num_inflight, microbatch.num_prefill_tokens))
-        submit(microbatch)
-
-    engine.executor.submit = recording
-    return seen
-
-
 @pytest.mark.parametrize("num_stages, in_flight", [(2, 3), (3, 4)])
 def test_more_microbatches_than_stages_equals_one_stage_for_every_policy(
     ray_cluster, llama3_rope_dir, num_stages, in_flight
@@ -168,7 +155,8 @@ def test_more_microbatches_than_stages_equals_one_stage_for_every_policy(
         num_microbatches_in_flight=in_flight,
     ) as llm:  # fmt: skip
         assert llm.engine.max_inflight == in_flight
-        seen = record_inflight(llm.engine)
+        engine = llm.engine  # per micro-batch: how many in flight with it, its prompt tokens
+        seen = record_submits(engine, lambda mb: (engine.num_inflight, mb.num_prefill_tokens))
         for policy in SCHEDULERS:
             llm.engine.set_scheduler(policy=policy, chunk_size=16, tile_align=False)
             start = len(seen)
