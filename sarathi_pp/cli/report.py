@@ -74,5 +74,5 @@ def run_interval(args: argparse.Namespace) -> int:
         start, end = parse_interval(args.interval)
         logs = [load_log(RunDir(check_run_dir(d)).events) for d in args.run_dirs]
     for name, log in zip(run_names(args.run_dirs), logs, strict=True):
-        print(format_interval(name, interval_bubbles(log, start, end)))
+        print(format_interval(name, interval_bubbles(log, start, end, fill_drain=True)))
     return 0

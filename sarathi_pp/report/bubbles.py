@@ -375,6 +375,27 @@ def stage_bubbles(
     return StageBubbles(s, busy, idle, window.duration, bubbles, fill, drain)
 
 
+FILL, DRAIN = "fill", "drain"  # idle time before / after the steady-state window
+FILL_DRAIN = (FILL, DRAIN)
+
+
+def label_fill_drain(segments: list[Segment], window: Window) -> list[Segment]:
+    """``segments`` cut at the steady-state window's edges, their idle time before it
+    labelled ``fill`` and after it ``drain``, as the summary counts them (``fill_s``,
+    ``drain_s``: outside the window, not a bubble class) and the timeline draws them.
+    Unchanged without a steady state (the whole run is the window)."""
+    if not window.steady_state:
+        return segments
+    out = []
+    for g in split_at(segments, (window.start, window.end)):
+        if g.label != BUSY and g.end <= window.start:
+            g = g._replace(label=FILL)
+        elif g.label != BUSY and g.start >= window.end:
+            g = g._replace(label=DRAIN)
+        out.append(g)
+    return out
+
+
 def split_at(segments: list[Segment], points: tuple[float, ...]) -> list[Segment]:
     """``segments`` with each one cut where it crosses one of ``points``."""
     out = []

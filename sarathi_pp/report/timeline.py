@@ -20,7 +20,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sarathi_pp.report.bubbles import BUBBLE_CLASSES, BUSY, BubbleAnalysis, split_at
+from sarathi_pp.report.bubbles import (
+    BUBBLE_CLASSES,
+    BUSY,
+    FILL_DRAIN,
+    BubbleAnalysis,
+    label_fill_drain,
+)
 from sarathi_pp.report.log import IDLE_REASONS, KINDS, RunLog
 from sarathi_pp.report.trace import merge_segments
 
@@ -42,7 +48,6 @@ CLASS_COLORS = {
     "recovery": "#bcbd22",
     "no_work": "#1a1a1a",
 }
-FILL_DRAIN = ("fill", "drain")  # idle time outside the steady-state window
 FILL_DRAIN_STYLE = {"facecolors": "#d9d9d9", "edgecolor": "#9a9a9a", "hatch": "////"}
 LABEL_MAX_MICROBATCHES = 40  # above this many per stage the boxes are too narrow for ids
 BOX = (0.42, 0.5)  # a stage row's micro-batch boxes: (bottom offset, height)
@@ -101,19 +106,8 @@ def bubble_bars(analysis: BubbleAnalysis, s: int) -> list[tuple[float, float, st
     """Stage ``s``'s idle time as drawn: ``(start, end, label)``, the class inside the
     steady-state window, ``fill`` before it and ``drain`` after it (a run without a steady
     state: its whole span is the window, as in the summary)."""
-    w = analysis.window
-    segs = split_at(merge_segments(analysis.segments[s]), (w.start, w.end))
-    out = []
-    for g in segs:
-        if g.label == BUSY or g.end <= g.start:
-            continue
-        label = g.label
-        if w.steady_state and g.end <= w.start:
-            label = "fill"
-        elif w.steady_state and g.start >= w.end:
-            label = "drain"
-        out.append((g.start, g.end, label))
-    return out
+    segs = label_fill_drain(merge_segments(analysis.segments[s]), analysis.window)
+    return [(g.start, g.end, g.label) for g in segs if g.label != BUSY and g.end > g.start]
 
 
 def legend_entries(log: RunLog, analysis: BubbleAnalysis) -> list[tuple[str, str]]:

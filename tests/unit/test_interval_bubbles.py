@@ -1,13 +1,14 @@
 """Bubbles over an interval (``report --interval``, the server's ``/metrics``): the whole
-window equals the report's steady-state figures, classes add up, the time before the run is
-``no_work``, and the server's trimmed window gives the same figures as the full log."""
+window equals the report's steady-state figures, classes add up, the time before and after
+the run is ``no_work``, the pipeline's fill and drain are what the summary says they are,
+and the server's trimmed window gives the same figures as the full log."""
 
 from __future__ import annotations
 
 import pytest
 
-from sarathi_pp.report.bubbles import BUBBLE_CLASSES, BUSY, analyze
-from sarathi_pp.report.interval import interval_bubbles, parse_interval
+from sarathi_pp.report.bubbles import BUBBLE_CLASSES, BUSY, FILL_DRAIN, analyze, run_span
+from sarathi_pp.report.interval import format_interval, interval_bubbles, parse_interval
 from sarathi_pp.report.log import parse_log
 from sarathi_pp.report.synthetic import MB, SimConfig, mixed_compute_s, mixed_workload, simulate
 from sarathi_pp.serve.bubble_window import BubbleWindow
@@ -44,6 +45,52 @@ def test_time_before_the_run_is_no_work():
     ib = interval_bubbles(parse_log(records, "synthetic"), 0.0, 10.0)
     assert ib.fractions[0]["no_work"] >= 0.5  # [0, 5): nothing had run yet
     assert sum(ib.fractions[1].values()) == pytest.approx(1.0)
+
+
+def test_time_after_the_run_is_no_work():
+    records = simulate([MB("prefill", 8)] * 4, SimConfig(compute_s=lambda s, mb: 0.5))
+    log = parse_log(records, "synthetic")
+    _, run_end = run_span(log)
+    after = interval_bubbles(log, run_end + 5.0, run_end + 10.0)
+    for f in after.fractions:  # long after the run: the engine ran nothing, needed nothing
+        assert f["no_work"] == pytest.approx(1.0) and f[BUSY] == 0.0
+    half = interval_bubbles(log, run_end - 1.0, run_end + 1.0)
+    assert half.fractions[0]["no_work"] >= 0.5  # the second after the run
+    assert sum(half.fractions[1].values()) == pytest.approx(1.0)
+
+
+def test_fill_and_drain_are_the_summary_s_not_pb1():
+    """Stage 1 waiting for its first micro-batch is the pipeline filling: ``report
+    --interval`` says ``fill`` there, and over the whole run its fill, drain and classes
+    are the summary's; the server's view (no ``fill_drain``) keeps the classes."""
+    records = simulate(
+        [MB("prefill", 256)] * 3 + [MB("decode", 0, 8)] * 6,
+        SimConfig(compute_s=mixed_compute_s, send_s=0.001, transfer_s=0.002),
+    )
+    log = parse_log(records, "synthetic")
+    a = analyze(log)
+    run_start, run_end = a.run_start, a.run_end
+    first = log.stages[1][0].compute_start
+    head = interval_bubbles(log, run_start, first, fill_drain=True).fractions[1]
+    assert head["fill"] == pytest.approx(1.0) and head["PB1"] == 0.0
+    plain = interval_bubbles(log, run_start, first).fractions[1]
+    assert "fill" not in plain and plain[BUSY] == 0.0  # the class stage_segments gives it
+    whole = interval_bubbles(log, run_start, run_end, fill_drain=True)
+    span = run_end - run_start
+    for s, stage in enumerate(a.stages):
+        f = whole.fractions[s]
+        assert f["fill"] * span == pytest.approx(stage.fill_s, abs=1e-12)
+        assert f["drain"] * span == pytest.approx(stage.drain_s, abs=1e-12)
+        for c in BUBBLE_CLASSES:
+            assert f[c] * span == pytest.approx(stage.bubbles_s[c], abs=1e-12), (s, c)
+        assert sum(f.values()) == pytest.approx(1.0, abs=1e-12)
+    # stage 1 waits for stage 0's first micro-batch; stage 0 for stage 1's last
+    assert whole.fractions[1]["fill"] > 0 and whole.fractions[0]["drain"] > 0
+    table = format_interval("run", whole)
+    head_line = table.splitlines()[1].split()
+    assert head_line == ["stage", "bubble", *BUBBLE_CLASSES, *FILL_DRAIN]  # none run together
+    assert "fill / drain: idle before / after" in table
+    assert "fill" not in format_interval("run", interval_bubbles(log, run_start, run_end))
 
 
 def test_trimmed_window_equals_the_full_log():
