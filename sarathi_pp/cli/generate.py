@@ -201,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
         use_tqdm = should_show_progress(args.progress, len(prompts), sys.stderr)
         start = time.perf_counter()
         outputs = llm.generate(requests, params, use_tqdm=use_tqdm, on_finished=sink.add)
-        wall_s = time.perf_counter() - start
+        # until the last request finished: not the run dir's report written after it
+        wall_s = (sink.last_finished_at or time.perf_counter()) - start
     except (KeyboardInterrupt, StageError, EngineDeadError) as e:
         return stopped(e, llm, sink, len(prompts))
     finally:
@@ -227,8 +228,10 @@ class FinishedSink:
         if path is not None and path != "-":
             self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.num_finished = 0
+        self.last_finished_at: float | None = None  # time.perf_counter()
 
     def add(self, index: int, out: Any) -> None:
+        self.last_finished_at = time.perf_counter()
         self.num_finished += 1
         if self.file is not None:
             write_jsonl([result_record(index, out)], self.file)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import pytest
 
@@ -92,6 +94,36 @@ def test_readable_stdout_and_summary(llama_dir, capsys):
     assert lines[2] == "    finish: length, 3 tokens"
     assert "sarathi-pp: 1 request, 3 generated tokens in" in captured.err
     assert "tokens/s" in captured.err
+
+
+def test_summary_times_the_generation_not_the_report(llama_dir, tmp_path, monkeypatch, capsys):
+    """With ``--run-dir`` the report (timeline, trace) is written after the last request
+    finished; the tokens/s line must not count it (it did: 4-5x low on short runs)."""
+    from sarathi_pp.engine.llm_engine import LLMEngine
+
+    generate, write = LLM.generate, LLMEngine.write_run_records
+    seen: dict[str, float] = {}
+
+    def timed_generate(self, *args, **kwargs):
+        seen["generate"] = time.perf_counter()
+        return generate(self, *args, **kwargs)
+
+    def slow_write(self):  # after every request finished; slow, as a big report is
+        seen.setdefault("write", time.perf_counter())
+        time.sleep(0.5)
+        return write(self)
+
+    monkeypatch.setattr(LLM, "generate", timed_generate)
+    monkeypatch.setattr(LLMEngine, "write_run_records", slow_write)
+    argv = [
+        "generate", *engine_args(llama_dir), "--prompt", "Hi", "--max-tokens", "3",
+        "--ignore-eos", "--run-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    wall_s = float(re.search(r"generated tokens in ([0-9.]+) s", err).group(1))
+    assert 0 < wall_s <= seen["write"] - seen["generate"] + 0.01, (err, seen)  # 0.01: rounding
+    assert (tmp_path / "run" / "summary.json").is_file()  # the report was written all the same
 
 
 def test_missing_model_dir(tmp_path, capsys):
