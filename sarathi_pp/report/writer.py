@@ -32,7 +32,23 @@ def check_run_dir(run_dir: str | Path) -> Path:
         raise FileNotFoundError(f"run dir {str(d)!r} does not exist")
     if not d.is_dir():
         raise ValueError(f"run dir {str(d)!r} is not a directory")
+    if not RunDir(d).events.exists() and (inner := run_dirs_inside(d)):
+        # `sarathi-pp bench`/`simulate` write a folder of run dirs: name them
+        shown = ", ".join(repr(str(p)) for p in inner[:6]) + (", ..." if len(inner) > 6 else "")
+        raise FileNotFoundError(
+            f"{str(d)!r} is not a run dir but holds {len(inner)}: {shown}; "
+            f"`sarathi-pp report` reads those (several at once to compare them)"
+        )
     return d
+
+
+def run_dirs_inside(d: Path) -> list[Path]:
+    """The run dirs (folders with an event log) in a benchmark's folder: its schedulers'
+    (``DIR/<scheduler>/``) and a capacity search's probes (``.../probes/rate-<r>/``)."""
+    found = {p.parent for p in d.glob("*/events.jsonl")}
+    found |= {p.parent for p in d.glob("probes/*/events.jsonl")}
+    found |= {p.parent for p in d.glob("*/probes/*/events.jsonl")}
+    return sorted(found)
 
 
 def analyze_run(run_dir: str | Path) -> RunReport:

@@ -295,6 +295,27 @@ def test_missing_run_dir(tmp_path: Path):
         write_report(tmp_path / "nope")
 
 
+def test_a_benchmark_folder_names_its_run_dirs(tmp_path: Path):
+    """``bench``/``simulate --run-dir D`` write D/<scheduler>/ (and a capacity search
+    D/<scheduler>/probes/rate-<r>/): ``report D`` names them instead of D's missing log."""
+    cfg = SimConfig(num_stages=2)
+    for name in ("sarathi", "vllm"):
+        sim_run(tmp_path / "bench" / name, [MB("prefill", 8)] * 4, cfg)
+    probe = sim_run(tmp_path / "cap" / "sarathi" / "probes" / "rate-0.5", [MB("prefill", 8)], cfg)
+    (tmp_path / "bench" / "comparison.json").write_text("{}")
+    for d, inner in (
+        (tmp_path / "bench", [tmp_path / "bench" / "sarathi", tmp_path / "bench" / "vllm"]),
+        (tmp_path / "cap", [probe]),
+        (tmp_path / "cap" / "sarathi", [probe]),
+    ):
+        with pytest.raises(FileNotFoundError, match="is not a run dir but holds") as info:
+            write_report(d)
+        assert all(repr(str(p)) in str(info.value) for p in inner), info.value
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no event log"):  # nothing inside: as before
+        write_report(tmp_path / "empty")
+
+
 def test_cli_usage_error(tmp_path: Path):
     from sarathi_pp.cli.common import UsageError
 
