@@ -15,7 +15,12 @@ import argparse
 import sys
 from typing import Any
 
-from sarathi_pp.cli.bench_args import add_bench_args, options_from_args, workload_from_args
+from sarathi_pp.cli.bench_args import (
+    RUN_DIRS_HELP,
+    add_bench_args,
+    options_from_args,
+    workload_from_args,
+)
 from sarathi_pp.cli.common import add_engine_args, config_from_args, progress_bar, user_errors
 
 
@@ -28,7 +33,7 @@ def add_parser(subparsers: Any) -> None:
         "dir each, and print throughput, TTFT, TBT, TPOT, end-to-end latency, scheduling "
         "delay and bubble fractions side by side.",
     )
-    add_engine_args(p)
+    add_engine_args(p, run_dirs=RUN_DIRS_HELP)
     add_bench_args(p)
     p.set_defaults(func=run)
 

@@ -7,6 +7,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+RUN_DIRS_HELP = (
+    "required: DIR/<scheduler>/ gets each run's records (what sarathi-pp report reads), "
+    "DIR/ the comparison (comparison.json, CDF plots)"
+)
+
 
 def add_bench_args(p: argparse.ArgumentParser, peer: bool = True) -> None:
     g = p.add_argument_group("benchmark")

@@ -54,8 +54,9 @@ def user_errors() -> Iterator[None]:
         raise UsageError(str(e)) from e
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The config flags every model-running subcommand shares."""
+def add_engine_args(parser: argparse.ArgumentParser, run_dirs: str | None = None) -> None:
+    """The config flags every model-running subcommand shares; ``run_dirs``: ``--run-dir``
+    is required and holds one run dir per run (``bench``, ``simulate``), as that says."""
     g = parser.add_argument_group("engine config (later wins: defaults < --config < flags)")
     g.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
     g.add_argument(
@@ -73,7 +74,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, metavar="N", help="model.seed: default for sampled requests")
     g.add_argument("--dtype", choices=DTYPES, help="model.dtype")
-    g.add_argument("--run-dir", metavar="DIR", help="run.run_dir: where the run's records go")
+    if run_dirs is None:
+        g.add_argument("--run-dir", metavar="DIR", help="run.run_dir: where the run's records go")
+    else:
+        g.add_argument("--run-dir", metavar="DIR", required=True, help=run_dirs)
     g.add_argument(
         "--overwrite",
         action="store_true",

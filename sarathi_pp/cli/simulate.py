@@ -20,7 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sarathi_pp.cli.bench_args import add_bench_args, options_from_args, workload_from_args
+from sarathi_pp.cli.bench_args import (
+    RUN_DIRS_HELP,
+    add_bench_args,
+    options_from_args,
+    workload_from_args,
+)
 from sarathi_pp.cli.common import add_engine_args, config_from_args, user_errors
 
 
@@ -34,7 +39,7 @@ def add_parser(subparsers: Any) -> None:
         "(--profile: a sarathi-pp profile CSV of this machine). Writes the records of "
         "sarathi-pp bench, which sarathi-pp report reads.",
     )
-    add_engine_args(p)
+    add_engine_args(p, run_dirs=RUN_DIRS_HELP)
     add_bench_args(p, peer=False)
     g = p.add_argument_group("simulated cluster")
     g.add_argument("--hardware", metavar="FILE|NAME", help="configs/hardware/NAME.yaml")

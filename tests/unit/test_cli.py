@@ -40,6 +40,21 @@ def test_subcommand_required(capsys):
     assert info.value.code == 2
 
 
+@pytest.mark.parametrize("command", ["bench", "simulate"])
+def test_run_dir_is_required_where_it_holds_one_run_dir_per_run(command, capsys):
+    """``bench`` and ``simulate`` write DIR/<scheduler>/: the usage says so up front."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args([command, "--workload", "w.yaml"])
+    assert info.value.code == 2
+    assert "required: --run-dir" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    usage = capsys.readouterr().out
+    assert "[--run-dir" not in usage  # not shown as optional
+    assert "required: DIR/<scheduler>/" in " ".join(usage.split())
+    assert build_parser().parse_args(["generate", "--prompt", "x"]).run_dir is None  # optional
+
+
 def test_generate_defaults():
     args = parse("--prompt", "hi")
     sp = sampling_params_from_args(args)
