@@ -121,6 +121,11 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(sp, SamplingParams):
             return [sp] * n
+        if not isinstance(sp, (list, tuple)):  # a dict would be read as its keys
+            raise TypeError(
+                f"sampling_params must be a SamplingParams or a list of them (one per "
+                f"prompt), got {type(sp).__name__}"
+            )
         sp = list(sp)
         if len(sp) != n:
             raise ValueError(f"got {len(sp)} sampling params for {n} prompts")

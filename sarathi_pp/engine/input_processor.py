@@ -88,8 +88,9 @@ class InputProcessor:
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError(
-                f"model folder {self.checkpoint.path!r} has no tokenizer: "
-                "pass prompt_token_ids instead"
+                f"model folder {self.checkpoint.path!r} has no tokenizer: pass "
+                "prompt_token_ids instead, or name a tokenizer folder (model.tokenizer: "
+                "tokenizer= in Python, --set model.tokenizer=DIR on the command line)"
             )
         return self.tokenizer.encode(prompt)
 

@@ -1,9 +1,11 @@
 """Bad requests are refused before any work, naming the value: ``True`` as a token id,
-an ``arrival_time`` not on the engine's clock; numpy integers are taken as plain ints."""
+an ``arrival_time`` not on the engine's clock, sampling parameters of the wrong type; numpy
+integers are taken as plain ints."""
 
 from __future__ import annotations
 
 import math
+import shutil
 import time
 
 import numpy as np
@@ -32,6 +34,20 @@ def llm(llama_dir):
 def test_generate_refuses_bool_token_ids(llm, bad, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(bad, GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"max_tokens": 2}, r"sampling_params must be a SamplingParams or a list .* got dict"),
+        ("greedy", r"sampling_params must be a SamplingParams or a list .* got str"),
+        ([GREEDY, {"max_tokens": 2}], r"sampling_params\[1\] must be SamplingParams, got dict"),
+    ],
+)
+def test_generate_refuses_sampling_params_of_the_wrong_type(llm, bad, match):
+    with pytest.raises(TypeError, match=match):
+        llm.generate([[5, 6], [7, 8]], bad, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -115,3 +131,18 @@ def test_a_budget_past_this_machine_is_refused_at_start(llama_dir):
     budget = memory // GiB * GiB + GiB  # one stage is already more than the machine
     with pytest.raises(ValueError, match=rf"cache.cpu_memory_budget={budget} bytes .* x 1 stage"):
         LLM(str(llama_dir), max_model_len=64, cpu_memory_budget=budget, device="cpu")
+
+
+def test_a_folder_without_a_tokenizer_says_how_to_name_one(llama_dir, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in [llama_dir / "config.json", *llama_dir.glob("*.safetensors")]:
+        shutil.copy(f, bare)
+    with LLM(str(bare), max_model_len=64) as llm:
+        with pytest.raises(ValueError, match=r"has no tokenizer: .*--set model.tokenizer=DIR"):
+            llm.generate(["hi"], GREEDY, use_tqdm=False)
+        (out,) = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)  # token ids still work
+        assert len(out.outputs[0].token_ids) == 3
+    with LLM(str(bare), max_model_len=64, tokenizer=str(llama_dir)) as llm:  # as it says
+        (out,) = llm.generate(["hi"], GREEDY, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 3
