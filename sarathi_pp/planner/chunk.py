@@ -9,7 +9,9 @@ plan`` prints each step with its numbers.
    each (see ``decodes_per_microbatch``). C is clamped to ``[min_chunk_size,
    max_chunk_size]``; the token budget ``chunk_size`` is C plus those decodes.
 3. **Tile quantization.** The budget is rounded down to a multiple of the matmul tile
-   (a few rows past a tile boundary cost a whole extra tile), never below one tile.
+   (a few rows past a tile boundary cost a whole extra tile), never below one tile; where
+   that would leave the prefill fewer than ``min_chunk_size`` rows, up to the first
+   multiple that keeps them (the rows up to it cost no extra tile).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class ChunkPlan:
     min_chunk_size: int
     max_chunk_size: int
     clamped: str | None = None  # "min" or "max" when the clamp moved C
-    rounded_up: bool = False  # the budget went up a tile to keep a prefill row
+    rounded_up: bool = False  # the budget went up to keep min_chunk_size prefill rows
 
     @property
     def prefill_rows(self) -> int:
@@ -75,7 +77,11 @@ class ChunkPlan:
             lines.append(f"clamped down to max_chunk_size {self.max_chunk_size}: C = {c}")
         else:
             lines.append(f"within [{self.min_chunk_size}, {self.max_chunk_size}]: C = {c}")
-        how = "up (to keep a prefill row)" if self.rounded_up else "down"
+        how = (
+            f"up (to keep min_chunk_size {self.min_chunk_size} prefill rows)"
+            if self.rounded_up
+            else "down"
+        )
         lines.append(
             f"budget C + decodes = {c} + {d} = {c + d}, rounded {how} to a multiple of the "
             f"tile {self.tile_size}: chunk_size = {self.chunk_size} "
@@ -93,7 +99,8 @@ def planned_chunk_size(
     tile_size: int,
 ) -> ChunkPlan:
     """C = P/D x decodes per micro-batch (nearest integer), clamped; budget C + decodes,
-    rounded down to the tile (up to the next tile if rounding down left no prefill row)."""
+    rounded down to the tile (up, to the first multiple of the tile with room for
+    ``min_chunk_size`` prefill rows, where rounding down left fewer)."""
     check_pd_ratio(pd_ratio)
     if not 1 <= min_chunk_size <= max_chunk_size:
         raise ValueError(
@@ -104,9 +111,9 @@ def planned_chunk_size(
     c = min(max(raw, min_chunk_size), max_chunk_size)
     clamped = "min" if raw < min_chunk_size else "max" if raw > max_chunk_size else None
     budget = round_to_tile(c + d, tile_size)
-    rounded_up = budget <= d
+    rounded_up = budget - d < min_chunk_size
     if rounded_up:
-        budget = (d // tile_size + 1) * tile_size  # the first multiple above d
+        budget = -(-(d + min_chunk_size) // tile_size) * tile_size  # the first with room
     return ChunkPlan(
         pd_ratio, raw, c, d, budget, tile_size, min_chunk_size, max_chunk_size, clamped, rounded_up
     )

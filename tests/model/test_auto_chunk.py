@@ -15,7 +15,8 @@ from sarathi_pp.events import read_events
 from sarathi_pp.planner.memory import batch_bound, stage_bounds
 
 # B = 32 blocks x 16 tokens / max_model_len 128 = 4: 3 decodes per micro-batch, so the plan
-# is C = 3 x P:D clamped to [8, 96], plus 3, rounded down to the tile of 8: 8 to 96.
+# is C = 3 x P:D clamped to [8, 96], plus 3, rounded down to the tile of 8 but keeping 8
+# prefill rows (min_chunk_size): 16 to 96.
 AUTO = dict(
     max_model_len=128,
     dtype="float32",
@@ -60,7 +61,7 @@ def test_auto_moves_the_budget_and_the_run_dir_shows_it(llama_dir, tmp_path):
     short, long = prompts(4, 8, seed=1), prompts(6, 90, seed=2)
     check_hf(llama_dir, llm.generate(short, greedy(24), use_tqdm=False), short, 24)
     low = llm.engine.scheduler.chunk_size
-    assert low == tuner.plan(1 / 3) == 8
+    assert low == tuner.plan(1 / 3) == 16  # 8 + 3 = 11: 8 would keep 5 prefill rows
     check_hf(llama_dir, llm.generate(long, greedy(2), use_tqdm=False), long, 2)
     assert llm.engine.scheduler.chunk_size == tuner.plan(45.0) == 96
     llm.engine.set_scheduler(chunk_size=32)  # a fixed budget for the next workload
@@ -69,8 +70,8 @@ def test_auto_moves_the_budget_and_the_run_dir_shows_it(llama_dir, tmp_path):
     events = read_events(run / "events.jsonl")
     records = [r for r in events if r["type"] == "chunk_size"]
     values = [r["chunk_size"] for r in records]
-    # The window fills with long requests one by one: P:D 1.5, 3.8, 9.3, then 45.
-    assert values == [8, 24, 96, 32]
+    # The window fills with long requests one by one: P:D 1.5, 3.8 (both 16), 9.3, then 45.
+    assert values == [16, 24, 96, 32]
     assert all(v % 8 == 0 and 8 <= v <= 96 for v in values)
     issues = [r for r in events if r["type"] == "issue"]
     assert records[0]["t"] <= issues[0]["t"]
@@ -82,7 +83,7 @@ def test_auto_moves_the_budget_and_the_run_dir_shows_it(llama_dir, tmp_path):
 
     summary = json.loads((run / "summary.json").read_text())
     c = summary["chunk_size"]
-    assert c["auto"] is True and (c["initial"], c["final"]) == (8, 32)
+    assert c["auto"] is True and (c["initial"], c["final"]) == (16, 32)
     assert c["num_changes"] == len(records) - 1 and [v for _, v in c["changes"]] == values
     trace = json.loads((run / "trace.json").read_text())["traceEvents"]
     counter = [e["args"]["chunk_size"] for e in trace if e["ph"] == "C"]

@@ -83,9 +83,10 @@ def test_json_on_a_budget_of_ten_sequences(llama_dir, capsys):
     )
     assert got["memory_bytes"] == budget and got["max_model_len"] == MAX_LEN
     assert got["pd_ratio"] == 3.0 and got["num_microbatches_in_flight"] == 1
-    # 9 decodes; C = 3 x 9 = 27 -> clamped to 128; 128 + 9 = 137 -> 128 (119 prefill rows)
+    # 9 decodes; C = 3 x 9 = 27 -> clamped to 128; 128 + 9 = 137: 128 would keep 119 prefill
+    # rows, under min_chunk_size, so up to 256 (247 rows)
     assert (got["num_decodes"], got["raw_prefill_chunk"], got["prefill_chunk"]) == (9, 27, 128)
-    assert (got["clamped"], got["chunk_size"], got["tile_size"]) == ("min", 128, 128)
+    assert (got["clamped"], got["chunk_size"], got["tile_size"]) == ("min", 256, 128)
     # 19 decode steps; the 60-token prompt is 1 chunk carrying 9 -> 10 miss a chunk
     assert got["missed_decodes"] == 10
     assert [s["max_decode_batch"] for s in got["stages"]] == [10]
@@ -181,16 +182,17 @@ def test_profile_sets_the_clamp_and_the_tile(capsys, tmp_path):
     assert (findings.min_chunk, findings.tile_size) == ({0.1: 512, 0.2: 256}, 64)
     argv = ["--config", str(CONFIGS / "tiny-llama-pp2.yaml"), "--pd-ratio", "1"]
     got = plan_json(capsys, [*argv, "--profile", str(profile)])
-    # C = 1 x 122 = 122 -> clamped up to the profile's 256; 256 + 122 = 378 -> 64 x 5 = 320
+    # C = 1 x 122 = 122 -> clamped up to the profile's 256; 256 + 122 = 378: 64 x 5 = 320
+    # would keep 198 prefill rows, chunks the profile says cost more than 20%: 64 x 6 = 384
     assert (got["prefill_chunk"], got["clamped"], got["min_chunk_size"]) == (256, "min", 256)
-    assert (got["tile_size"], got["chunk_size"]) == (64, 320)
+    assert (got["tile_size"], got["chunk_size"]) == (64, 384)
     assert got["limit_notes"] == [
         "min_chunk_size 256 from the profile (overhead <= 0.2)",
         "tile_size 64 from the profile",
     ]
     assert "  min_chunk_size: 256  # from the profile" in got["yaml"]
     tight = plan_json(capsys, [*argv, "--profile", str(profile), "--max-overhead", "0.1"])
-    assert (tight["min_chunk_size"], tight["chunk_size"]) == (512, 576)  # 512 + 122 = 634
+    assert (tight["min_chunk_size"], tight["chunk_size"]) == (512, 640)  # 512 + 122 = 634
     with pytest.raises(SystemExit):
         main(["plan", *argv, "--profile", str(profile), "--max-overhead", "0.01"])
     assert "no chunk keeps the chunked-prefill overhead within 0.01" in capsys.readouterr().err

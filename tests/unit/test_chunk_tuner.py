@@ -188,7 +188,7 @@ def test_budget_changes_mid_run_and_every_microbatch_respects_the_budget_in_forc
     assert all(rows <= budget for budget, rows in issued)
     budgets = [budget for budget, _ in issued]
     assert len(set(budgets)) >= 2, budgets
-    assert budgets[-1] > budgets[0]  # the long prompts pulled it up
+    assert max(budgets) > budgets[0], budgets  # the long prompts pulled it up
     long_chunks = {c.num_tokens for mb in result.microbatches for c in mb.chunks if c.seq_id >= 5}
     assert len(long_chunks) >= 2  # their prompts were cut by more than one budget
 

@@ -211,8 +211,13 @@ CHUNK_CASES = [
     ((10.0, 117, 1, 128, 2048, 128), (1160, 1160, 116, 1152, None, False)),
     # two in flight: ceil(116 / 2) = 58 decodes; 580 + 58 = 638 -> 512
     ((10.0, 117, 2, 128, 2048, 128), (580, 580, 58, 512, None, False)),
-    # decode-heavy: 0.5 x 32 = 16 -> clamped up to 128; 128 + 32 = 160 -> 128
-    ((0.5, 33, 1, 128, 2048, 128), (16, 128, 32, 128, "min", False)),
+    # decode-heavy: 0.5 x 32 = 16 -> clamped up to 128; 128 + 32 = 160 -> 128 would leave
+    # 96 prefill rows, under min_chunk_size: up to 256 (224 rows)
+    ((0.5, 33, 1, 128, 2048, 128), (16, 128, 32, 256, "min", True)),
+    # with min_chunk_size 64 the same rounds down: 96 rows are enough
+    ((0.5, 33, 1, 64, 2048, 128), (16, 64, 32, 128, "min", False)),
+    # 1.0 x 116 = 116 -> 128; 128 + 116 = 244 -> 128 would leave 12 rows: up to 256 (140)
+    ((1.0, 117, 1, 128, 2048, 128), (116, 128, 116, 256, "min", True)),
     # prefill-heavy: 100 x 64 = 6400 -> clamped down to 2048; 2048 + 64 = 2112 -> 2048
     ((100.0, 65, 1, 128, 2048, 128), (6400, 2048, 64, 2048, "max", False)),
     # B = 1: no decode to piggyback; C = min_chunk_size, one tile
@@ -240,18 +245,23 @@ def test_planned_chunk_size(args, expected):
     )
     assert got == expected
     assert plan.chunk_size % plan.tile_size == 0
-    assert plan.prefill_rows == plan.chunk_size - plan.num_decodes >= 1
+    assert plan.prefill_rows == plan.chunk_size - plan.num_decodes >= plan.min_chunk_size
 
 
 def test_reason_names_ratio_clamp_and_tile():
     text = planned_chunk_size(0.5, 33, 1, 128, 2048, 128).reason()
     assert "P:D 0.500 x 32 decodes per micro-batch = 16" in text
     assert "clamped up to min_chunk_size 128: C = 128" in text
+    assert (
+        "rounded up (to keep min_chunk_size 128 prefill rows) to a multiple of the tile 128: chunk_size = 256 (224 prefill rows"
+        in text
+    )
+    text = planned_chunk_size(0.5, 33, 1, 64, 2048, 128).reason()
     assert "rounded down to a multiple of the tile 128: chunk_size = 128" in text
     text = planned_chunk_size(100.0, 65, 1, 128, 2048, 128).reason()
     assert "clamped down to max_chunk_size 2048" in text
     assert (
-        "rounded up (to keep a prefill row)"
+        "rounded up (to keep min_chunk_size 16 prefill rows)"
         in planned_chunk_size(0.1, 201, 1, 16, 2048, 128).reason()
     )
 
