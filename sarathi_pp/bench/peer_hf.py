@@ -100,7 +100,7 @@ def run_hf_peer(
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         with _quiet_cb_logger():
-            model = _load_model(hf, path, dtype, device, attn_implementation)
+            model = _load_model(hf, path, dtype, device, attn_implementation, progress is not None)
             cb = _cb_config(hf, requests, batch_tokens)
             gen = hf.generation_config(do_sample=False, eos_token_id=-1)  # note [EOS]
             run = _run_generate_batch if _is_all_at_once(requests) else _run_manager
@@ -183,12 +183,23 @@ def _quiet_cb_logger() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _load_model(hf: _HF, path: Path, dtype: str, device: str, attn: str) -> Any:
+def _load_model(hf: _HF, path: Path, dtype: str, device: str, attn: str, bar: bool) -> Any:
+    """``bar``: transformers' own progress bars (loading the weights) as they are; without,
+    off while loading (the caller asked for no progress bar)."""
     import torch
+    from transformers.utils import logging as hf_logging
 
-    model = hf.auto_model.from_pretrained(
-        str(path), dtype=getattr(torch, dtype), attn_implementation=attn, trust_remote_code=False
-    )
+    was_on = hf_logging.is_progress_bar_enabled()
+    if not bar:
+        hf_logging.disable_progress_bar()
+    try:
+        model = hf.auto_model.from_pretrained(
+            str(path), dtype=getattr(torch, dtype), attn_implementation=attn,
+            trust_remote_code=False,
+        )  # fmt: skip
+    finally:
+        if not bar and was_on:
+            hf_logging.enable_progress_bar()
     return model.to(device).eval()
 
 

@@ -126,3 +126,15 @@ def test_model_folder_errors_name_the_folder(tmp_path, llama_dir):
         run_hf_peer(llama_dir, requests, dtype="float64")
     with pytest.raises(ValueError, match="empty"):
         run_hf_peer(llama_dir, [])
+
+
+def test_no_progress_means_no_loading_bar(llama_dir, capfd):
+    """``bench --peer hf --no-progress`` (``progress=None``): transformers' own "Loading
+    weights" bar stays off too, and its setting is restored after."""
+    from transformers.utils import logging as hf_logging
+
+    capfd.readouterr()
+    result = run_hf_peer(llama_dir, make_requests((0.0,) * 2, (2,) * 2, (5, 9)), num_threads=1)
+    assert all(len(o.outputs[0].token_ids) == 2 for o in result.outputs)
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
