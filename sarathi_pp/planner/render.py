@@ -24,7 +24,8 @@ def snippet(plan: Plan) -> str:
     c = plan.chunk
     lines = [
         f"# sarathi-pp plan: {plan.batch_summary()}",
-        f"# chunk_size = tile-rounded C {c.prefill_chunk} + {c.num_decodes} decodes "
+        f"# chunk_size = C {c.prefill_chunk} + {c.num_decodes} decodes rounded to the tile: "
+        f"{c.prefill_rows} prefill rows "
         f"(P:D {c.pd_ratio:.3f}, n = {plan.num_microbatches_in_flight} micro-batch(es) in flight)",
         "scheduler:",
         f"  chunk_size: {c.chunk_size}",

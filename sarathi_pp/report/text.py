@@ -175,7 +175,8 @@ def format_run(name: str, summary: dict[str, Any]) -> str:
     w = summary["window"]
     lines = [
         f"== {name} (scheduler {summary.get('scheduler') or '?'}, "
-        f"{summary['num_stages']} stages, {_kinds(summary)})"
+        f"{summary['num_stages']} stage{'' if summary['num_stages'] == 1 else 's'}, "
+        f"{_kinds(summary)})"
     ]
     chunk = chunk_size_text(summary)
     if chunk is not None:
