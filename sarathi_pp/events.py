@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -299,17 +300,24 @@ class EventLog:
 
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:
-    """Read ``events.jsonl``; ``ValueError`` naming the file and line if it is not valid."""
+    """Read ``events.jsonl``; ``ValueError`` naming the file and line if it is not valid.
+    A last line cut short (no newline after it, not valid JSON: the writer was killed in
+    the middle of it) is left out with a warning: the records before it stand."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"no event log {str(p)!r}")
+    text = p.read_text()
+    lines = text.splitlines()
     records = []
-    for i, line in enumerate(p.read_text().splitlines(), 1):
+    for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             r = json.loads(line)
         except json.JSONDecodeError as e:
+            if i == len(lines) and not text.endswith("\n"):
+                warnings.warn(f"{p}:{i}: left out a last line cut short ({e})", stacklevel=2)
+                break
             raise ValueError(f"{p}:{i}: not valid JSON: {e}") from e
         if not isinstance(r, dict) or r.get("type") not in EVENT_TYPES:
             raise ValueError(f"{p}:{i}: not an event record: {line[:80]!r}")

@@ -281,6 +281,22 @@ def test_bad_files(demo_run: Path, name, text, error, match):
     assert str(path) in str(info.value)
 
 
+def test_a_last_line_cut_short_is_left_out(demo_run: Path):
+    """A writer killed in the middle of a line: the report stands on the records before it
+    (a bad line anywhere else is still an error, above)."""
+    events = demo_run / "events.jsonl"
+    full = write_report(demo_run, plot=False)
+    lines = events.read_text().splitlines()
+    assert json.loads(lines[-1])["type"] == "done"  # the last micro-batch's return
+    events.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])  # no newline: torn
+    with pytest.warns(UserWarning, match=rf"events.jsonl:{len(lines)}: left out a last line"):
+        cut = write_report(demo_run, plot=False)
+    assert cut["overall"]["num_microbatches"] == full["overall"]["num_microbatches"]
+    events.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20] + "\n")  # a whole line
+    with pytest.raises(ValueError, match=rf"events.jsonl:{len(lines)}: not valid JSON"):
+        write_report(demo_run, plot=False)
+
+
 def test_bad_request_value(demo_run: Path):
     text = (demo_run / "requests.csv").read_text().splitlines()
     text[2] = text[2].replace(",length,", ",length,", 1).replace(",0.05,", ",soon,", 1)
