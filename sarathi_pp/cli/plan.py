@@ -69,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
     from sarathi_pp.stages.device import probe_resources  # torch: once the flags are good
 
     with user_errors():
+        if args.run_dir is not None or args.overwrite:
+            flag = "--run-dir" if args.run_dir is not None else "--overwrite"
+            raise ValueError(f"{flag}: plan writes no run dir (--simulate does: one per probe)")
         config = config_from_args(args)
         if args.output is not None and not Path(args.output).parent.is_dir():
             raise FileNotFoundError(

@@ -134,6 +134,8 @@ def test_text_and_snippet_load_into_the_config(capsys, tmp_path):
         (["--pd-ratio", "4", "--workload", "x.yaml"], "got --workload and --pd-ratio"),
         (["--pd-ratio", "4", "--set", "scheduler.max_num_seqs=0"], "max_num_seqs must be"),
         (["--workload", "missing.yaml"], "workload file 'missing.yaml' does not exist"),
+        (["--pd-ratio", "4", "--run-dir", "runs/p"], "--run-dir: plan writes no run dir"),
+        (["--pd-ratio", "4", "--overwrite"], "--overwrite: plan writes no run dir"),
     ],
 )
 def test_bad_input_is_a_usage_error(llama_dir, capsys, extra, message):
