@@ -70,13 +70,13 @@ def interval_bubbles(
         raise ValueError(f"the interval must have end > start, got [{start}, {end}]")
     run_start, last_mb = run_span(log)
     run_end = max([last_mb, *(i.end for i in log.idles)])  # the log's last record
-    window = steady_window(log, run_start, last_mb)
+    window = steady_window(log, run_start, last_mb) if fill_drain else None
     span = end - start
     fractions: list[dict[str, float]] = []
     prev = None
     for s in range(log.num_stages):
         prev = stage_segments(log, s, prev, run_start, run_end)
-        segments = label_fill_drain(prev, window) if fill_drain else prev
+        segments = label_fill_drain(prev, window) if window is not None else prev
         secs = dict.fromkeys((BUSY, *BUBBLE_CLASSES, *(FILL_DRAIN if fill_drain else ())), 0.0)
         for seg in segments:
             secs[seg.label] += max(0.0, min(seg.end, end) - max(seg.start, start))
