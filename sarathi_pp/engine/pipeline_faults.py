@@ -76,10 +76,12 @@ class PipelineFaults:
                 self.shutdown()
 
     def _die(self, error: StageError) -> None:
-        """The pipeline is broken for good: release the stages; later calls say why."""
+        """The pipeline is broken for good: release the stages; later calls say why. The
+        run dir stays open: the requests this ends are still recorded (aborted rows) and
+        the report written; ``shutdown`` closes it."""
         self.dead_reason = str(error)
         self._abandon_inflight(resync=False)
-        self.shutdown()
+        self.executor.shutdown()
 
     def _recover(self, error: StageLost) -> None:
         """Replace the lost stage (all stages: one process group); every sequence in

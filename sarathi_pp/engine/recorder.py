@@ -118,6 +118,7 @@ class RunRecorder:
         self._rows_flushed_at = 0.0
         self._t0: float | None = None  # the first request's arrival: requests.csv's origin
         self._broken = False  # a write failed: recording stopped
+        self._closed = False  # close() ran: the run dir is never created again
 
     @property
     def path(self) -> Path:
@@ -186,7 +187,7 @@ class RunRecorder:
         self._rows_flushed_at = time.monotonic()
 
     def _safely(self, fn: Any, *args: Any) -> None:
-        if self._broken:
+        if self._broken or self._closed:
             return
         try:
             fn(*args)
@@ -196,7 +197,10 @@ class RunRecorder:
 
     def write(self, now: float) -> dict[str, Any] | None:
         """Flush ``events.jsonl`` and ``requests.csv`` and rebuild the report files; the
-        run's summary (``summary.json``), or ``None`` when recording failed."""
+        run's summary (``summary.json``), or ``None`` when recording failed (or the
+        recorder was closed: the last ``write`` before it stands)."""
+        if self._closed:
+            return None
         if self._requests is None:
             self._safely(self._open)  # a run with no request: its records all the same
         self._safely(self.events.end_idle, now)
@@ -209,8 +213,10 @@ class RunRecorder:
         return write_report(self.run_dir.path)
 
     def close(self) -> None:
-        """Flush and close the files (the engine shuts down, or another run starts)."""
+        """Flush and close the files (the engine shuts down, or another run starts); later
+        records are dropped, never a new run dir created over this one's."""
         self._safely(self._flush)
+        self._closed = True
         for f in (self.events.detach(), self._requests):
             if f is not None:
                 f.close()

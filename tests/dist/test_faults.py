@@ -98,6 +98,32 @@ def test_no_restart_left_is_a_clear_error_then_a_dead_engine(ray_cluster, llama_
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
 
 
+def test_a_lost_pipeline_still_writes_its_run_dir(ray_cluster, llama_dir, tmp_path):
+    """The engine dies (no restart left) with a run dir: the error is the StageError, the
+    requests it ended are recorded (aborted), and the report is written (the dead engine
+    used to close its run dir, and the aborts re-created it: 'run dir is not empty')."""
+    run = tmp_path / "run"
+    llm = LLM(str(llama_dir), **BASE, max_stage_restarts=0, stage_timeout_s=30, run_dir=str(run))
+    stage1 = llm.engine.executor.actors[1]
+    finished: list[int] = []
+
+    def kill_once(index, output):  # mid-run: some micro-batches computed, one request done
+        if not finished:
+            ray_cluster.kill(stage1)
+        finished.append(index)
+
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    with pytest.raises(StageError, match="pipeline stage 1"):
+        llm.generate(PROMPTS[:1] + PROMPTS, [short] + [GREEDY] * len(PROMPTS),
+                     use_tqdm=False, on_finished=kill_once)  # fmt: skip
+    summary = llm.engine.write_run_records()
+    llm.shutdown()
+    assert summary is not None and (run / "summary.json").is_file()
+    rows = (run / "requests.csv").read_text().splitlines()[1:]
+    assert len(rows) == 1 + len(PROMPTS), rows  # the finished ones and the aborted ones
+    assert sum(",abort," in r for r in rows) == 1 + len(PROMPTS) - len(finished) > 0
+
+
 def test_a_stalled_stage_times_out_keeping_finished_outputs(
     ray_cluster, llama_dir, reference, executor
 ):
