@@ -15,11 +15,17 @@ on ``events``; set-up figures (each stage's memory, then the KV cache shape) go 
 every rank is on this machine, gloo binds the loopback interface (``ranks_on_one_node``).
 A middle rank that fails exits; the stage after it then fails its receive (closed
 connection or timeout, naming the stages) and that error travels to rank 0 the same way.
+
+A stage that raises on a micro-batch (a bad request) stays in step instead
+(``PipelineStage.run``: zeros go on, the failure comes back: rank 0's own, a middle rank's
+with its timing, the last rank's in its result), and rank 0 retries the micro-batch's
+sequences one at a time, as the Ray executor does: only a request that fails alone fails.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections import deque
 from collections.abc import Mapping
@@ -41,6 +47,8 @@ from sarathi_pp.planner.memory import StageMemory
 from sarathi_pp.stages.device import probe_resources
 from sarathi_pp.stages.pipeline_stage import PipelineStage
 from sarathi_pp.stages.worker import StageSpec
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -143,14 +151,52 @@ class TorchrunExecutor:
         self.stage.init_kv_cache(num_blocks, block_size)
 
     def submit(self, microbatch: MicroBatch) -> None:
+        if not microbatch.chunks:  # a retry left nothing of it (``_isolate``)
+            self._inflight.append((microbatch, StepResult(), None))
+            return
         for rank in range(1, self.num_stages):
             self.control.microbatches.send(microbatch, rank)
         self._inflight.append((microbatch, *self.stage.run(microbatch)))
 
     def wait_oldest(self) -> tuple[MicroBatch, StepResult]:
+        microbatch, result = self._wait()
+        if result.failure is not None:
+            result = self._isolate(microbatch, result)
+        return microbatch, result
+
+    def _isolate(self, microbatch: MicroBatch, failed: StepResult) -> StepResult:
+        """A stage raised on ``microbatch``: retry its sequences one at a time through the
+        pipeline, so only a request that fails alone fails (``errors``). The micro-batches
+        behind it may have read K/V it left unwritten: their results are drained and
+        dropped, and they go again after the retry without the failed sequences (as
+        ``RayExecutor._isolate``)."""
+        logger.warning("micro-batch %d failed (%s): retrying its sequences one at a time",
+                       microbatch.microbatch_id, failed.failure)  # fmt: skip
+        behind = [mb for mb, _, _ in self._inflight]
+        for _ in behind:
+            self._wait()  # drained; whatever it computed is recomputed below
+        result = StepResult(events=failed.events)  # the retries' timings are left out
+        for chunk in microbatch.chunks:
+            self.submit(MicroBatch(microbatch.microbatch_id, (chunk,)))
+            _, r = self._wait()
+            if r.failure is not None:
+                result.errors[chunk.seq_id] = r.failure
+            else:
+                result.sampled.update(r.sampled)
+                result.errors.update(r.errors)
+        for mb in behind:
+            kept = tuple(c for c in mb.chunks if c.seq_id not in result.errors)
+            self.submit(MicroBatch(mb.microbatch_id, kept))
+        return result
+
+    def _wait(self) -> tuple[MicroBatch, StepResult]:
+        """The oldest micro-batch's result as the stages left it: ``failure`` when one of
+        them raised on it (rank 0's own, a middle rank's or the last rank's)."""
         microbatch, local, event = self._inflight.popleft()
-        if local is not None:  # a single stage: rank 0 is also the last
-            local.events = [event]
+        if event is None or self.num_stages == 1:  # nothing was run / rank 0 is the last
+            assert local is not None
+            if event is not None:
+                local.events = [event]
             return microbatch, local
         last = self.num_stages - 1
         mb_id = microbatch.microbatch_id
@@ -170,17 +216,26 @@ class TorchrunExecutor:
         result, last_event = payload
         # Middle ranks sent their timing of this micro-batch before the last could finish it.
         middle = [self._stage_timing(r) for r in range(1, last)]
-        result.events = [event, *middle, last_event]
+        failures = [f for f in (local and local.failure, *(f for _, f in middle)) if f]
+        if failures or result.failure:
+            result = StepResult(failure="; ".join([*failures, *filter(None, [result.failure])]))
+        result.events = [event, *(e for e, _ in middle), last_event]
         return microbatch, result
 
-    def _stage_timing(self, rank: int) -> StageEvent:
+    def _stage_timing(self, rank: int) -> tuple[StageEvent, str | None]:
+        """A middle rank's timing of a micro-batch and its failure (``None``: it ran)."""
         try:
-            event = self.control.events.recv(rank, "stage timing")
+            message = self.control.events.recv(rank, "stage timing")
         except StageCommError as e:
             raise StageError(rank, str(e)) from e
-        if not isinstance(event, StageEvent):
-            raise _unexpected(rank, event, "a StageEvent")
-        return event
+        if not (
+            isinstance(message, tuple)
+            and len(message) == 2
+            and isinstance(message[0], StageEvent)
+            and isinstance(message[1], str | None)
+        ):
+            raise _unexpected(rank, message, "(StageEvent, failure or None)")
+        return message
 
     def reset(self) -> None:
         """Forget the micro-batches in flight: the other ranks still run them (in order,
@@ -250,8 +305,8 @@ def serve_stage(
             raise
         if is_last:
             control.results.send(("ok", rank, mb_id, (result, event)), 0)
-        else:
-            control.events.send(event, 0)
+        else:  # a middle stage that raised on it sent zeros on: rank 0 retries (_isolate)
+            control.events.send((event, result.failure if result is not None else None), 0)
     control.events.flush()
     control.results.flush()
     stage.shutdown()

@@ -220,3 +220,46 @@ def test_torchrun_dead_rank_ends_the_run_promptly_naming_it(llama_dir, tmp_path)
     # rank 0 sees the closed connection first, or torchrun's SIGTERM: either way it says so
     assert ("sarathi-pp: error: pipeline stage 1" in proc.stderr
             or "sarathi-pp: stopped by SIGTERM" in proc.stderr), proc.stderr[-3000:]  # fmt: skip
+
+
+@pytest.mark.parametrize("num_ranks, stage", [(2, 1), (2, 0), (3, 1)])
+def test_torchrun_a_poisoned_request_fails_alone(request, num_ranks, stage):
+    """Under torchrun too (the last rank, rank 0's own stage, a middle rank): a request
+    that makes a stage raise fails alone and the others equal one stage. It used to stall
+    the run until the stage timeout and lose every request."""
+    # three stages need three layers
+    llama_dir = request.getfixturevalue("llama_dir" if num_ranks == 2 else "llama3_rope_dir")
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    prompts = ["Hello", "The pipeline has stages", "x", "a longer prompt " * 3]
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "out.jsonl")
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(num_ranks), "-m", "sarathi_pp.launch.torchrun", "--model", str(llama_dir),
+            "--pipeline-parallel-size", str(num_ranks), "--max-tokens", "8", "--ignore-eos",
+            "--chunk-size", "8", "--output", out, "--set", "model.max_model_len=256",
+            "--set", "scheduler.tile_align=false", "--set", "parallel.stage_timeout_s=60",
+            "--set", f"parallel.inject_fault=raise@stage={stage},seq=1",
+        ]  # fmt: skip
+        for p in prompts:
+            cmd += ["--prompt", p]
+        start = time.monotonic()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        assert time.monotonic() - start < 60 + 60, "the run waited for the stage timeout"
+        assert proc.returncode == 1 and os.path.exists(out), proc.stderr[-3000:]  # one failed
+        with open(out) as f:
+            records = [json.loads(line) for line in f]
+    assert f"injected fault on stage {stage}" in records[1]["error"]
+    with LLM(str(llama_dir), max_model_len=256, chunk_size=8, tile_align=False) as pp1:
+        ref = pp1.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                           use_tqdm=False)  # fmt: skip
+    for i in (0, 2, 3):
+        assert (
+            records[i]["error"] is None and records[i]["token_ids"] == ref[i].outputs[0].token_ids
+        )
