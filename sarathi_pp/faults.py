@@ -9,6 +9,11 @@ A fault is ``ACTION@KEY=VALUE,...`` (several joined by ``;``):
 - ``exit@stage=S,step=K``: the stage's process exits at once before the K-th micro-batch
   (a lost stage: Ray replaces it, ``parallel.max_stage_restarts``).
 
+A ``step`` fault is one event of the stages first started: the stages that replace lost
+ones run without it (``after_restart``), or an ``exit`` would take every replacement down
+at its own K-th micro-batch and no recovery could ever be shown. A ``seq`` fault (a
+poisoned request) stays: the request is as bad for the new stages.
+
 Sequence ids number requests in the order they were added (``LLM.generate``: prompt order,
 from 0, counting every earlier call). Pure Python: parsed when the config is built, acted on
 by the stages (``stages/pipeline_stage.py``, ``stages/worker.py``).
@@ -71,3 +76,11 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
             raise ValueError(f"inject_fault {part!r}: {action} takes step=, not seq=")
         faults.append(Fault(action, **values))
     return tuple(faults)
+
+
+def after_restart(text: str | None) -> str | None:
+    """``inject_fault`` for the stages that replace lost ones: its ``seq`` faults only."""
+    if not text:
+        return text
+    kept = [p.strip() for p in text.split(";") if p.strip() and parse_faults(p)[0].seq is not None]
+    return ";".join(kept) or None

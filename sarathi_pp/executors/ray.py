@@ -42,6 +42,7 @@ from collections import deque
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.executors.base import StageError, StageLost
+from sarathi_pp.faults import after_restart
 from sarathi_pp.interrupts import deferred_interrupts
 from sarathi_pp.microbatch import MicroBatch, StepResult, fill_ring
 from sarathi_pp.placement import (
@@ -307,6 +308,9 @@ class RayExecutor:
         self._kill_actors()
         self._inflight.clear()
         self._forget_ring()
+        # an injected step fault was the first stages' event (faults.py: after_restart)
+        fault = after_restart(self._config.parallel.inject_fault)
+        self._config = self._config.replace(**{"parallel.inject_fault": fault})
         self._create_actors(self._config, self._checkpoint, self.placement)
         self.load_model()
         self.init_kv_cache(*self._kv_shape)

@@ -86,6 +86,20 @@ def test_a_killed_stage_is_replaced_and_outputs_equal(
     assert any(r["reason"] == "recovery" for r in idles)
 
 
+def test_an_injected_exit_is_recovered_once(ray_cluster, llama_dir, reference, tmp_path):
+    """``exit@stage=1,step=K`` loses stage 1 once: the replacement runs without the step
+    fault (it used to exit at its own K-th micro-batch, so recovery never showed)."""
+    run = tmp_path / "run"
+    fault = {"parallel.inject_fault": "exit@stage=1,step=5"}
+    with LLM(str(llama_dir), **BASE, **fault, run_dir=str(run)) as llm:
+        first = list(llm.engine.executor.actors)
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        assert llm.engine.executor.actors != first and llm.engine.is_alive()
+    idles = [r for r in read_events(run / "events.jsonl") if r["type"] == "idle"]
+    assert sum(r["reason"] == "recovery" for r in idles) == 1
+
+
 def test_no_restart_left_is_a_clear_error_then_a_dead_engine(ray_cluster, llama_dir, executor):
     llm = LLM(str(llama_dir), **BASE, **executor, max_stage_restarts=0, stage_timeout_s=30)
     ray_cluster.kill(llm.engine.executor.actors[1])
