@@ -61,6 +61,11 @@ class ControlPlane:
 
 def check_world_size(config: EngineConfig) -> None:
     """``ValueError`` unless torchrun started one rank per stage."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        raise ValueError(
+            "not started by torchrun (no WORLD_SIZE/RANK in the environment): run "
+            "`torchrun --nproc-per-node P -m sarathi_pp.launch.torchrun ...`, one rank per stage"
+        )
     world = int(os.environ["WORLD_SIZE"])
     num_stages = config.parallel.pipeline_parallel_size
     if world != num_stages:

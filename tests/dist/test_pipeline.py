@@ -15,6 +15,7 @@ import os
 import pickle
 import random
 import subprocess
+import sys
 import time
 
 import pytest
@@ -225,6 +226,15 @@ def test_torchrun_world_size_must_match(llama_dir):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "torchrun started 2 processes but pipeline_parallel_size=1" in proc.stderr
+
+
+def test_the_torchrun_launcher_without_torchrun_is_a_usage_error(llama_dir):
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    cmd = [sys.executable, "-m", "sarathi_pp.launch.torchrun", "--model", str(llama_dir),
+           "--prompt", "hi"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "not started by torchrun" in proc.stderr and "--nproc-per-node" in proc.stderr
 
 
 def test_pp2_run_dir_records_every_microbatch_on_every_stage(ray_cluster, llama_dir, tmp_path):
