@@ -82,3 +82,9 @@ def test_ray_job_submit_matches_pp1(ray_head, llama_dir):
             prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False
         )
     assert [r["token_ids"] for r in records] == [o.outputs[0].token_ids for o in ref]
+    # A relative output would land in Ray's copy of the working dir: refused, naming it.
+    proc = submit(address, env, ["--model", str(llama_dir), "--prompt", "x", "--run-dir", "rd"])
+    assert proc.returncode != 0
+    assert (
+        "--run-dir 'rd' is relative, and this job runs in Ray's copy" in proc.stdout + proc.stderr
+    )

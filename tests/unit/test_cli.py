@@ -244,3 +244,17 @@ def test_a_run_that_is_stopping_holds_further_signals():
         assert common.received_signal() == signal.SIGINT
     finally:
         common._received[:] = saved
+
+
+def test_ray_job_refuses_relative_outputs_in_ray_s_copy_of_the_working_dir(tmp_path):
+    from pathlib import Path
+
+    from sarathi_pp.launch.ray_job import check_written_paths
+
+    copy = Path("/tmp/ray/session_1/runtime_resources/working_dir_files/_ray_pkg_abc")
+    with pytest.raises(ValueError, match=r"--output 'o.jsonl' is relative.*--output -"):
+        check_written_paths(["--prompt", "hi", "--output", "o.jsonl"], copy)
+    with pytest.raises(ValueError, match=r"--run-dir 'runs/a' is relative"):
+        check_written_paths(["--prompt", "hi", "--run-dir", "runs/a"], copy)
+    check_written_paths(["--output", "-", "--run-dir", str(tmp_path / "r")], copy)  # fine
+    check_written_paths(["--output", "o.jsonl", "--run-dir", "r"], tmp_path)  # not a Ray job
