@@ -81,7 +81,7 @@ class PipelineFaults:
         the report written; ``shutdown`` closes it."""
         self.dead_reason = str(error)
         self._abandon_inflight(resync=False)
-        self.executor.shutdown()
+        self.executor.release_stages()
 
     def _recover(self, error: StageLost) -> None:
         """Replace the lost stage (all stages: one process group); every sequence in

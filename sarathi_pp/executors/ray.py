@@ -373,6 +373,15 @@ class RayExecutor:
                 remove_placement_group(self._pg)
             self._pg = None
 
+    def release_stages(self) -> None:
+        """The pipeline is lost for good (the engine is dead): free the actors, keep Ray
+        until ``shutdown``. Ray's shutdown resets the process's SIGTERM handling (its core
+        worker's, below Python's), which a server still answering 503 needs for its own
+        graceful stop: a SIGTERM then killed it outright (exit 143, no records)."""
+        self._kill_actors()
+        self._inflight.clear()
+        self._forget_ring()
+
     def shutdown(self) -> None:
         ray = self._ray
         self._kill_actors()

@@ -254,6 +254,9 @@ class TorchrunExecutor:
                 for rank in range(1, last):
                     self.control.events.recv(rank, "stage timing")
 
+    def release_stages(self) -> None:
+        self.shutdown()  # nothing set up for the stages outlives them here
+
     def shutdown(self) -> None:
         if self._closed:
             return

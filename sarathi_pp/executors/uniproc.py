@@ -65,6 +65,9 @@ class UniprocExecutor:
         self._done.clear()
         self._free_since = time.monotonic()
 
+    def release_stages(self) -> None:
+        self.shutdown()  # nothing set up for the stages outlives them here
+
     def shutdown(self) -> None:
         self._done.clear()
 

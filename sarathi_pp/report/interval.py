@@ -3,11 +3,11 @@ server's ``/metrics``, which shows the last 60 s): each stage's time in ``[A, B]
 on the log's clock) split into ``busy`` and the bubble classes, as fractions of ``B - A``.
 
 The segments are those of the whole-run analysis (``bubbles.stage_segments``), with the run
-extended to the log's last record (the end of the scheduler's last ``idle`` span, when
-later than the last micro-batch; the server's window adds the idle span going on now) so
-the time after the last micro-batch is classified as the run's tail is (``no_work`` while
-no request is there). Time in ``[A, B]`` before the run's first record or after its last
-is ``no_work``: the engine had nothing at all, or no longer ran.
+extended to ``B`` but not past the log's last record (the end of the scheduler's last
+``idle`` span, when later than the last micro-batch; the server's window adds the idle span
+going on now), so the time after the last micro-batch is classified as the run's tail is
+(``no_work`` while no request is there). Time in ``[A, B]`` before the run's first record
+or after its last is ``no_work``: the engine had nothing at all, or no longer ran.
 
 ``fill_drain`` (``report --interval`` on a run dir): idle time before the run's
 steady-state window is ``fill`` and after it ``drain``, as the summary counts them and the
@@ -69,7 +69,10 @@ def interval_bubbles(
     if not end > start:
         raise ValueError(f"the interval must have end > start, got [{start}, {end}]")
     run_start, last_mb = run_span(log)
-    run_end = max([last_mb, *(i.end for i in log.idles)])  # the log's last record
+    log_end = max([last_mb, *(i.end for i in log.idles)])  # the log's last record
+    # the segments end with the interval (the tail's classes depend on where the run ends:
+    # the server's window and the full log then agree) but not past the log's last record
+    run_end = max(last_mb, min(end, log_end))
     window = steady_window(log, run_start, last_mb) if fill_drain else None
     span = end - start
     fractions: list[dict[str, float]] = []
@@ -81,7 +84,7 @@ def interval_bubbles(
         for seg in segments:
             secs[seg.label] += max(0.0, min(seg.end, end) - max(seg.start, start))
         secs[NO_WORK] += max(0.0, min(run_start, end) - start)  # before anything ran
-        secs[NO_WORK] += max(0.0, end - max(run_end, start))  # after the log's last record
+        secs[NO_WORK] += max(0.0, end - max(log_end, start))  # after the log's last record
         fractions.append({k: v / span for k, v in secs.items()})
     return IntervalBubbles(start, end, fractions)
 

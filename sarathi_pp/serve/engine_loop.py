@@ -215,8 +215,7 @@ class EngineLoop:
         reason = self.engine.dead_reason or f"{type(error).__name__}: {error}"
         sinks, self._sinks = self._sinks, {}
         for request_id, sink in sinks.items():
-            if self.engine.is_alive():
-                self.engine.abort(request_id)
+            self.engine.abort(request_id)  # bookkeeping only: recorded even on a dead engine
             sink.put(EngineFailure(reason))
         if self.engine.is_alive():
             try:

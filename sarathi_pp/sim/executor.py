@@ -157,5 +157,8 @@ class SimExecutor:
         self._ring_ready.clear()
         self._free = [self.clock.now()] * self.num_stages
 
+    def release_stages(self) -> None:
+        self.shutdown()  # nothing set up for the stages outlives them here
+
     def shutdown(self) -> None:
         self._inflight.clear()

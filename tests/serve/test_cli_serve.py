@@ -81,3 +81,42 @@ def test_sigterm_stops_gracefully(llama_dir: Path, tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sigterm_stops_gracefully_after_the_pipeline_is_lost(llama_dir: Path, tmp_path: Path):
+    """PP=2 on the server's own Ray; stage 1 exits on its first micro-batch with no restart
+    left: requests get 503 naming the stage, and SIGTERM still stops the server gracefully
+    (exit 0, records written). Ray's shutdown used to reset the process's SIGTERM handling
+    when the engine died, and SIGTERM then killed the server (143, no records)."""
+    port = _free_port()
+    run_dir = tmp_path / "run"
+    base = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "sarathi_pp", "serve", "--model", str(llama_dir),
+            "--pipeline-parallel-size", "2", "--port", str(port), "--run-dir", str(run_dir),
+            "--log-level", "warning", "--set", "parallel.max_stage_restarts=0",
+            "--set", "parallel.inject_fault=exit@stage=1,step=1"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {"prompt": "x", "max_tokens": 4}
+        r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and "pipeline stage 1" in r.text, r.text
+        assert httpx.get(base + "/health").status_code == 503
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, proc.communicate()[1].decode()[-2000:]
+        assert "sarathi-pp: stopped" in proc.communicate()[1].decode()
+        rows = (run_dir / "requests.csv").read_text().splitlines()
+        assert len(rows) == 2 and ",abort," in rows[1], rows  # the request the loss ended
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
