@@ -41,6 +41,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_healthy(proc: subprocess.Popen, base: str, timeout_s: float) -> None:
+    """Until the server at ``base`` answers ``/health`` with 200 (it may still be loading)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+        assert time.monotonic() < deadline, "the server did not start"
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
 def test_sigterm_stops_gracefully(llama_dir: Path, tmp_path: Path) -> None:
     port = _free_port()
     run_dir = tmp_path / "run"
@@ -50,15 +63,7 @@ def test_sigterm_stops_gracefully(llama_dir: Path, tmp_path: Path) -> None:
     env = {**os.environ, "SARATHI_PP_API_KEY": "secret"}
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_until_healthy(proc, base, 60)
         assert httpx.get(base + "/v1/models").status_code == 401
         headers = {"Authorization": "Bearer secret"}
         models = httpx.get(base + "/v1/models", headers=headers).json()
@@ -98,15 +103,7 @@ def test_sigterm_stops_gracefully_after_the_pipeline_is_lost(llama_dir: Path, tm
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_until_healthy(proc, base, 120)  # it starts its own Ray
         body = {"prompt": "x", "max_tokens": 4}
         r = httpx.post(base + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 503 and "pipeline stage 1" in r.text, r.text
