@@ -7,6 +7,7 @@ the flat batch follow the order of ``chunks``: prefill chunks first, then decode
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from sarathi_pp.events import StageEvent
@@ -132,3 +133,28 @@ class StepResult:
     # Set when the micro-batch raised on a stage ("stage S: Error: ..."): the executor
     # then retries its sequences one at a time, so only a request that fails alone fails.
     failure: str | None = None
+
+
+def retry_one_at_a_time(
+    microbatch: MicroBatch, failed: StepResult, run: Callable[[MicroBatch], StepResult]
+) -> StepResult:
+    """A stage raised on ``microbatch`` (``failed.failure``): its sequences again, each
+    alone through ``run`` (a micro-batch through the pipeline -> its result), so only a
+    request that fails alone fails (``errors``). The failed run's timing stands; the
+    retries' are left out."""
+    result = StepResult(events=failed.events)
+    for chunk in microbatch.chunks:
+        r = run(MicroBatch(microbatch.microbatch_id, (chunk,)))
+        if r.failure is not None:
+            result.errors[chunk.seq_id] = r.failure
+        else:
+            result.sampled.update(r.sampled)
+            result.errors.update(r.errors)
+    return result
+
+
+def without_failed(microbatch: MicroBatch, result: StepResult) -> MicroBatch:
+    """``microbatch`` (same id) less the sequences ``result`` failed: a micro-batch that
+    was behind a retried one goes again without them."""
+    kept = tuple(c for c in microbatch.chunks if c.seq_id not in result.errors)
+    return MicroBatch(microbatch.microbatch_id, kept)

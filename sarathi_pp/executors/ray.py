@@ -44,7 +44,13 @@ from sarathi_pp.config import EngineConfig
 from sarathi_pp.executors.base import StageError, StageLost
 from sarathi_pp.faults import after_restart
 from sarathi_pp.interrupts import deferred_interrupts
-from sarathi_pp.microbatch import MicroBatch, StepResult, fill_ring
+from sarathi_pp.microbatch import (
+    MicroBatch,
+    StepResult,
+    fill_ring,
+    retry_one_at_a_time,
+    without_failed,
+)
 from sarathi_pp.placement import (
     Placement,
     Resources,
@@ -285,19 +291,10 @@ class RayExecutor:
         self._inflight.clear()
         for mb, refs in behind:
             self._collect(mb, refs)  # drained; whatever it computed is recomputed below
-        result = StepResult(events=failed.events)  # the retries' timings are left out
-        for chunk in microbatch.chunks:
-            solo = MicroBatch(microbatch.microbatch_id, (chunk,))
-            r = self._collect(solo, self._run(solo))
-            if r.failure is not None:
-                result.errors[chunk.seq_id] = r.failure
-            else:
-                result.sampled.update(r.sampled)
-                result.errors.update(r.errors)
+        result = retry_one_at_a_time(microbatch, failed, lambda m: self._collect(m, self._run(m)))
         self._keep_tokens(microbatch.microbatch_id, result)  # for the ones behind it
         for mb, _ in behind:
-            kept = tuple(c for c in mb.chunks if c.seq_id not in result.errors)
-            self._inflight.append((mb, self._run(MicroBatch(mb.microbatch_id, kept))))
+            self._inflight.append((mb, self._run(without_failed(mb, result))))
         return result
 
     def restart(self) -> None:
@@ -305,9 +302,7 @@ class RayExecutor:
         reloaded, KV caches of the same shape re-created. What was in flight is gone; the
         engine recomputes its sequences."""
         assert self._config is not None and self._checkpoint is not None
-        self._kill_actors()
-        self._inflight.clear()
-        self._forget_ring()
+        self.release_stages()
         # an injected step fault was the first stages' event (faults.py: after_restart)
         fault = after_restart(self._config.parallel.inject_fault)
         self._config = self._config.replace(**{"parallel.inject_fault": fault})
@@ -384,8 +379,7 @@ class RayExecutor:
 
     def shutdown(self) -> None:
         ray = self._ray
-        self._kill_actors()
-        self._inflight.clear()
+        self.release_stages()
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
             self._started_ray = False

@@ -41,7 +41,7 @@ from sarathi_pp.comm.p2p import StageCommError
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.events import StageEvent
 from sarathi_pp.executors.base import StageError
-from sarathi_pp.microbatch import MicroBatch, StepResult
+from sarathi_pp.microbatch import MicroBatch, StepResult, retry_one_at_a_time, without_failed
 from sarathi_pp.placement import Placement, Resources, resolve_placement
 from sarathi_pp.planner.memory import StageMemory
 from sarathi_pp.stages.device import probe_resources
@@ -180,19 +180,15 @@ class TorchrunExecutor:
         behind = [mb for mb, _, _ in self._inflight]
         for _ in behind:
             self._wait()  # drained; whatever it computed is recomputed below
-        result = StepResult(events=failed.events)  # the retries' timings are left out
-        for chunk in microbatch.chunks:
-            self.submit(MicroBatch(microbatch.microbatch_id, (chunk,)))
-            _, r = self._wait()
-            if r.failure is not None:
-                result.errors[chunk.seq_id] = r.failure
-            else:
-                result.sampled.update(r.sampled)
-                result.errors.update(r.errors)
+        result = retry_one_at_a_time(microbatch, failed, self._run_alone)
         for mb in behind:
-            kept = tuple(c for c in mb.chunks if c.seq_id not in result.errors)
-            self.submit(MicroBatch(mb.microbatch_id, kept))
+            self.submit(without_failed(mb, result))
         return result
+
+    def _run_alone(self, microbatch: MicroBatch) -> StepResult:
+        """``microbatch`` through the pipeline, nothing else in flight: its result."""
+        self.submit(microbatch)
+        return self._wait()[1]
 
     def _wait(self) -> tuple[MicroBatch, StepResult]:
         """The oldest micro-batch's result as the stages left it: ``failure`` when one of
@@ -221,9 +217,12 @@ class TorchrunExecutor:
         result, last_event = payload
         # Middle ranks sent their timing of this micro-batch before the last could finish it.
         middle = [self._stage_timing(r) for r in range(1, last)]
-        failures = [f for f in (local and local.failure, *(f for _, f in middle)) if f]
-        if failures or result.failure:
-            result = StepResult(failure="; ".join([*failures, *filter(None, [result.failure])]))
+        # every stage's failure, in stage order: rank 0's, the middle ranks', the last's
+        failures = [
+            f for f in (local and local.failure, *(f for _, f in middle), result.failure) if f
+        ]
+        if failures:
+            result = StepResult(failure="; ".join(failures))
         result.events = [event, *(e for e, _ in middle), last_event]
         return microbatch, result
 
