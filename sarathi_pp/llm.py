@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from sarathi_pp.config import EngineConfig, load_config, make_config
-from sarathi_pp.engine import LLMEngine
+from sarathi_pp.engine import LLMEngine, parallel_sampling
 from sarathi_pp.engine.input_processor import as_token_ids
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.sampling_params import SamplingParams
@@ -63,7 +63,9 @@ class LLM:
 
         All prompts and parameters are checked before any work runs: a bad one raises
         ``ValueError`` naming its index. A request that fails while running finishes with
-        ``finish_reason == "error"`` in its own output; the others complete.
+        ``finish_reason == "error"`` in its own output; the others complete. With
+        ``SamplingParams(n=k)`` a prompt's output has ``k`` completions (``index`` 0..k-1;
+        ``engine/parallel_sampling.py``).
         ``on_finished(index, output)`` is called as each request finishes (in completion
         order; the CLI streams ``--output`` with it). If the call is interrupted (Ctrl-C) or
         the pipeline is lost, this call's unfinished requests are aborted (they leave the
@@ -72,17 +74,24 @@ class LLM:
         items = _as_prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(items))
         requests = [self._prepare(i, p) for i, p in enumerate(items)]
-        ids: list[str] = []
+        groups: list[tuple[str, list[str]]] = []  # each prompt's id and its engine requests'
+        added: list[str] = []
         try:
             for (text, token_ids), sp in zip(requests, params):
                 request_id = str(self._request_counter)
                 self._request_counter += 1
-                self.engine.add_request(request_id, text, sp, prompt_token_ids=token_ids)
-                ids.append(request_id)
-            outputs = self._run(ids, use_tqdm, on_finished)
+                children = []
+                for child_id, child_params in parallel_sampling.child_requests(request_id, sp):
+                    self.engine.add_request(
+                        child_id, text, child_params, prompt_token_ids=token_ids
+                    )
+                    added.append(child_id)
+                    children.append(child_id)
+                groups.append((request_id, children))
+            outputs = self._run(groups, use_tqdm, on_finished)
         except BaseException:
-            for request_id in ids:  # none of this call's requests outlives it
-                self.engine.abort(request_id)
+            for child_id in added:  # none of this call's requests outlives it
+                self.engine.abort(child_id)
             raise
         try:  # with a run dir: the report over every request so far
             self.engine.write_run_records()
@@ -162,34 +171,42 @@ class LLM:
 
     def _run(
         self,
-        ids: list[str],
+        groups: list[tuple[str, list[str]]],
         use_tqdm: bool,
         on_finished: Callable[[int, RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
+        """Step until every prompt's engine requests (``groups``: the prompt's id and its
+        children's) have finished; each prompt's output, in prompt order."""
         from tqdm.auto import tqdm
 
-        index = {request_id: i for i, request_id in enumerate(ids)}
-        pending = set(ids)
+        owner = {child: i for i, (_, children) in enumerate(groups) for child in children}
+        left = [len(children) for _, children in groups]  # unfinished children per prompt
         done: dict[str, RequestOutput] = {}
+        merged: dict[int, RequestOutput] = {}
         bar = tqdm(
-            total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2, unit="req"
+            total=len(groups), desc="generate", disable=not use_tqdm or len(groups) < 2, unit="req"
         )
         try:
-            while pending:
+            while len(merged) < len(groups):
                 for out in self.engine.step():
-                    if out.finished and out.request_id in pending:
-                        pending.discard(out.request_id)
-                        done[out.request_id] = out
+                    i = owner.get(out.request_id)
+                    if not out.finished or i is None or out.request_id in done:
+                        continue
+                    done[out.request_id] = out
+                    left[i] -= 1
+                    if left[i] == 0:
+                        request_id, children = groups[i]
+                        merged[i] = parallel_sampling.merge(request_id, [done[c] for c in children])
                         bar.update(1)
                         if on_finished is not None:
-                            on_finished(index[out.request_id], out)
+                            on_finished(i, merged[i])
             # Scheduled ahead, a decode of a request that has since stopped may still be
             # in flight: the engine is left idle (its blocks freed, set_scheduler allowed).
             while self.engine.num_inflight and not self.engine.scheduler.has_unfinished():
                 self.engine.step()
         finally:
             bar.close()
-        return [done[i] for i in ids]
+        return [merged[i] for i in range(len(groups))]
 
 
 def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:

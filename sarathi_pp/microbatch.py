@@ -122,6 +122,19 @@ def fill_ring(microbatch: MicroBatch, sampled: dict[int, dict[int, int]]) -> Mic
     return MicroBatch(microbatch.microbatch_id, chunks)
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The log-probabilities around one sampled token (``SamplingParams.logprobs``), from
+    the model's raw logits (before temperature, top-k and top-p, as vLLM's default):
+    the sampled token's own and its rank (1 = the most likely), and the ``logprobs`` most
+    likely tokens, most likely first."""
+
+    logprob: float
+    rank: int
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
 @dataclass
 class StepResult:
     """What came back for one micro-batch: produced by the last stage, relayed by the
@@ -133,6 +146,8 @@ class StepResult:
     # Set when the micro-batch raised on a stage ("stage S: Error: ..."): the executor
     # then retries its sequences one at a time, so only a request that fails alone fails.
     failure: str | None = None
+    # seq_id -> its token's log-probabilities, for the sequences that asked for them
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
 
 
 def retry_one_at_a_time(
@@ -149,6 +164,7 @@ def retry_one_at_a_time(
             result.errors[chunk.seq_id] = r.failure
         else:
             result.sampled.update(r.sampled)
+            result.logprobs.update(r.logprobs)
             result.errors.update(r.errors)
     return result
 

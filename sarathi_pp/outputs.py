@@ -51,6 +51,21 @@ class RequestMetrics:
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability (vLLM's ``Logprob``): ``rank`` 1 is the most likely
+    token; ``decoded_token`` its text alone (``None`` without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per generated token: token id -> Logprob, the sampled token first, then the most likely
+# ones (``SamplingParams.logprobs`` of them; the sampled one appears once).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -58,6 +73,10 @@ class CompletionOutput:
     finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # set when finish_reason == "error"
+    # With ``SamplingParams.logprobs`` set: one entry per token of ``token_ids``, and their
+    # sampled tokens' log-probabilities summed; ``None`` otherwise (as vLLM).
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

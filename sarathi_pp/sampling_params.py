@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20  # vLLM's default ``max_logprobs``: most likely tokens per output token
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,12 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n={self.n} is not supported yet (only n=1)")
-        if self.logprobs is not None:
-            raise ValueError(f"logprobs={self.logprobs} is not supported yet")
+        if self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
         if self.use_beam_search:
             raise ValueError("beam search is not supported")
         if self.max_tokens < 1:

@@ -20,9 +20,13 @@ Token accounting (see DESIGN.md, "One request's way through"):
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from sarathi_pp.outputs import RequestMetrics
 from sarathi_pp.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from sarathi_pp.microbatch import TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -62,6 +66,9 @@ class Sequence:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        # One per output token when ``params.logprobs`` is set (kept across preemption:
+        # the recomputed tokens are not sampled again).
+        self.output_logprobs: list[TokenLogprobs] = []
         self.token_ids: list[int] = list(prompt_token_ids)
         self.params = params
         self.status = SequenceStatus.WAITING

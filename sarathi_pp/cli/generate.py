@@ -61,6 +61,16 @@ def add_parser(subparsers: Any) -> None:
     g.add_argument(
         "--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)"
     )
+    g.add_argument(
+        "--num-completions", type=int, default=1, metavar="N",
+        help="completions per prompt, SamplingParams.n (default: 1; they differ with "
+        "--temperature > 0)",
+    )  # fmt: skip
+    g.add_argument(
+        "--logprobs", type=int, metavar="K",
+        help="report each generated token's log-probability and the K most likely tokens' "
+        "(0-20; with --output: a 'logprobs' field)",
+    )  # fmt: skip
     g = p.add_argument_group("output")
     g.add_argument(
         "--output",
@@ -87,6 +97,8 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
         top_k=args.top_k,
         ignore_eos=args.ignore_eos,
         stop=tuple(args.stop),
+        n=args.num_completions,
+        logprobs=args.logprobs,
     )
 
 
@@ -137,18 +149,44 @@ def should_show_progress(choice: bool | None, num_prompts: int, stderr: IO[str])
 
 # --- results --------------------------------------------------------------------------------
 def result_record(index: int, out: Any) -> dict[str, Any]:
-    """One JSON Lines object for ``out`` (a ``RequestOutput``)."""
+    """One JSON Lines object for ``out`` (a ``RequestOutput``): its first completion's
+    fields and, with ``--num-completions`` > 1, every completion in ``completions``."""
     completion = out.outputs[0]
-    return {
+    record = {
         "index": index,
         "prompt": out.prompt,
         "prompt_token_ids": list(out.prompt_token_ids),
-        "token_ids": list(completion.token_ids),
-        "text": completion.text,
-        "finish_reason": completion.finish_reason,
+        **_completion_fields(completion),
         "error": out.error or completion.error,
         "ttft_s": out.metrics.ttft,
     }
+    if len(out.outputs) > 1:
+        record["completions"] = [
+            {"index": c.index, **_completion_fields(c), "error": c.error} for c in out.outputs
+        ]
+    return record
+
+
+def _completion_fields(c: Any) -> dict[str, Any]:
+    fields = {
+        "token_ids": list(c.token_ids),
+        "text": c.text,
+        "finish_reason": c.finish_reason,
+    }
+    if c.logprobs is not None:  # per token: the sampled one first, then the most likely
+        fields["logprobs"] = [
+            [
+                {"token_id": t, "text": e.decoded_token, "logprob": e.logprob, "rank": e.rank}
+                for t, e in entry.items()
+            ]
+            for entry in c.logprobs
+        ]
+        fields["cumulative_logprob"] = c.cumulative_logprob
+    return fields
+
+
+def _completions(record: dict[str, Any]) -> list[dict[str, Any]]:
+    return record.get("completions", [record])
 
 
 def write_jsonl(records: list[dict[str, Any]], stream: IO[str]) -> None:
@@ -160,15 +198,20 @@ def print_readable(records: list[dict[str, Any]], stream: IO[str]) -> None:
     # repr: a random or small model emits newlines and control bytes; keep one field a line.
     for r in records:
         print(f"[{r['index']}] prompt: {r['prompt']!r}", file=stream)
-        print(f"    output: {r['text']!r}", file=stream)
-        status = f"{r['finish_reason']}, {len(r['token_ids'])} tokens"
-        if r["error"]:
-            status += f", error: {r['error']}"
-        print(f"    finish: {status}", file=stream)
+        many = "completions" in r
+        for c in _completions(r):
+            label = f"output {c['index']}" if many else "output"
+            print(f"    {label}: {c['text']!r}", file=stream)
+            status = f"{c['finish_reason']}, {len(c['token_ids'])} tokens"
+            if "cumulative_logprob" in c:
+                status += f", cumulative logprob {c['cumulative_logprob']:.3f}"
+            if c["error"]:
+                status += f", error: {c['error']}"
+            print(f"    finish: {status}", file=stream)
 
 
 def summary_line(records: list[dict[str, Any]], wall_s: float) -> str:
-    num_tokens = sum(len(r["token_ids"]) for r in records)
+    num_tokens = sum(len(c["token_ids"]) for r in records for c in _completions(r))
     num_failed = sum(1 for r in records if r["error"])
     rate = num_tokens / wall_s if wall_s > 0 else float("inf")
     failed = f", {num_failed} failed" if num_failed else ""

@@ -9,9 +9,9 @@ Wire form: msgpack (ints, floats, strings, lists only; no maps, no extension typ
   - ``["tuple", value, ...]``: a tuple of values (at most ``MAX_DEPTH`` deep);
   - ``[tag, field, ...]``: a record, its fields in declaration order (``_RECORDS``):
     ``microbatch`` (``MicroBatch``; its chunks are ``ScheduledChunk`` records with an
-    optional ``SamplingParams`` record), ``step_result`` (``StepResult``: ``sampled`` and
-    ``errors`` as ``[[seq_id, value], ...]``, ``events`` as ``StageEvent`` records,
-    ``failure`` a str or ``None``),
+    optional ``SamplingParams`` record), ``step_result`` (``StepResult``: ``sampled``,
+    ``errors`` and ``logprobs`` (``TokenLogprobs`` records) as ``[[seq_id, value], ...]``,
+    ``events`` as ``StageEvent`` records, ``failure`` a str or ``None``),
     ``stage_event`` (``StageEvent``) and ``stage_memory`` (``StageMemory``).
 Lists of token ids and block ids are plain msgpack arrays of ints.
 
@@ -31,7 +31,7 @@ from typing import Any
 import msgpack
 
 from sarathi_pp.events import StageEvent
-from sarathi_pp.microbatch import MicroBatch, ScheduledChunk, StepResult
+from sarathi_pp.microbatch import MicroBatch, ScheduledChunk, StepResult, TokenLogprobs
 from sarathi_pp.planner.memory import StageMemory
 from sarathi_pp.sampling_params import SamplingParams
 
@@ -96,7 +96,7 @@ def _sequence(item: type, container: type) -> Kind:
     return (lambda v: list(check(v, container))), (lambda v: container(check(v, list)))
 
 
-INTS, STRS = _sequence(int, tuple), _sequence(str, tuple)
+INTS, STRS, FLOATS = _sequence(int, tuple), _sequence(str, tuple), _sequence(float, tuple)
 
 
 def _pairs(key: Kind, value: Kind) -> Kind:
@@ -199,6 +199,10 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "send_end": FLOAT,
         },
     ),
+    TokenLogprobs: (
+        "token_logprobs",
+        {"logprob": FLOAT, "rank": INT, "top_ids": INTS, "top_logprobs": FLOATS},
+    ),
     StepResult: (
         "step_result",
         {
@@ -206,6 +210,7 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "errors": _pairs(INT, STR),
             "events": _records(StageEvent, list),
             "failure": _optional(STR),
+            "logprobs": _pairs(INT, _record(TokenLogprobs)),
         },
     ),
     StageMemory: (

@@ -177,6 +177,12 @@ class LLMEngine(PipelineFaults):
         arrival_time: float | None = None,
     ) -> None:
         self._check_alive()
+        if params.n != 1:
+            raise ValueError(
+                f"request {request_id!r}: the engine runs one completion per request (n=1), "
+                f"got n={params.n}; LLM.generate and the server run n > 1 as n requests "
+                "(engine/parallel_sampling.py)"
+            )
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.scheduler.check_room()  # QueueFullError at scheduler.max_waiting
@@ -278,6 +284,10 @@ class LLMEngine(PipelineFaults):
         now = self.now()
         self.recorder.completed(microbatch, result, now, wait=wait, full=full)
         updated = self.scheduler.on_step_done(microbatch, result.sampled, now)
+        if result.logprobs:
+            for got in updated:
+                if (lp := result.logprobs.get(got.seq_id)) is not None:
+                    got.output_logprobs.append(lp)
         outputs = []
         for seq_id, message in result.errors.items():
             seq = self.scheduler.seqs.get(seq_id)

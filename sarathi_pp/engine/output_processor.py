@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sarathi_pp.outputs import CompletionOutput, RequestOutput
+from sarathi_pp.microbatch import TokenLogprobs
+from sarathi_pp.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from sarathi_pp.sequence import Sequence, SequenceStatus
 from sarathi_pp.tokenizer import Detokenizer
 
@@ -22,6 +23,8 @@ class _TextState:
     stream: Any  # the detokenizer's incremental stream (None: decode the whole output)
     prompt_token_ids: list[int]  # one copy per request, shared by its outputs (as vLLM)
     text: str = ""
+    logprobs: SampleLogprobs | None = None  # built as tokens come (SamplingParams.logprobs)
+    cumulative_logprob: float = 0.0
 
 
 class OutputProcessor:
@@ -30,10 +33,14 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self._text: dict[int, _TextState] = {}  # seq_id -> text so far
+        self._token_text: dict[int, str] = {}  # token id -> its text alone (logprobs)
 
     def add(self, seq: Sequence) -> None:
         stream = self.detokenizer.new_stream() if self.detokenizer else None
-        self._text[seq.seq_id] = _TextState(stream, list(seq.prompt_token_ids))
+        state = _TextState(stream, list(seq.prompt_token_ids))
+        if seq.params.logprobs is not None:
+            state.logprobs = []
+        self._text[seq.seq_id] = state
 
     def drop(self, seq: Sequence) -> None:
         self._text.pop(seq.seq_id, None)
@@ -74,9 +81,13 @@ class OutputProcessor:
     def output(self, seq: Sequence) -> RequestOutput:
         """The request's output so far (the final one once ``seq`` is finished)."""
         state = self._text.get(seq.seq_id)
-        text = state.text if state is not None else ""
+        if state is None:  # not added here: its text and log-probabilities from scratch
+            state = _TextState(None, list(seq.prompt_token_ids))
+            state.logprobs = [] if seq.params.logprobs is not None else None
+        self._add_logprobs(seq, state)
+        text = state.text
         # Not copied at every step (a 4K-token prompt would be copied for each new token).
-        prompt_ids = state.prompt_token_ids if state is not None else list(seq.prompt_token_ids)
+        prompt_ids = state.prompt_token_ids
         if seq.is_finished:
             self._text.pop(seq.seq_id, None)
             if self.detokenizer is not None and not isinstance(seq.stop_reason, str):
@@ -89,6 +100,8 @@ class OutputProcessor:
             finish_reason=seq.status.finish_reason,
             stop_reason=seq.stop_reason,
             error=seq.error,
+            logprobs=None if state.logprobs is None else list(state.logprobs),
+            cumulative_logprob=None if state.logprobs is None else state.cumulative_logprob,
         )
         return RequestOutput(
             request_id=seq.request_id,
@@ -99,3 +112,26 @@ class OutputProcessor:
             metrics=seq.metrics,
             error=seq.error,
         )
+
+    def _add_logprobs(self, seq: Sequence, state: _TextState) -> None:
+        """Turn the sequence's new ``TokenLogprobs`` into vLLM's per-token dicts."""
+        if state.logprobs is None:
+            return
+        tokens = seq.output_token_ids
+        for i in range(len(state.logprobs), len(seq.output_logprobs)):
+            lp: TokenLogprobs = seq.output_logprobs[i]
+            token = tokens[i]
+            entry = {token: Logprob(lp.logprob, lp.rank, self._token_str(token))}
+            for r, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+                if tid not in entry:
+                    entry[tid] = Logprob(value, r, self._token_str(tid))
+            state.logprobs.append(entry)
+            state.cumulative_logprob += lp.logprob
+
+    def _token_str(self, token_id: int) -> str | None:
+        if self.detokenizer is None:
+            return None
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.detokenizer.tokenizer.decode([token_id])
+        return text

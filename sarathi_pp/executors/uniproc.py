@@ -19,7 +19,7 @@ from sarathi_pp.placement import resolve_placement
 from sarathi_pp.planner.memory import StageMemory
 from sarathi_pp.stages.device import probe_resources, set_num_threads
 from sarathi_pp.stages.fault_injector import FaultInjector
-from sarathi_pp.stages.worker import StageSpec, StageWorker, to_step_result
+from sarathi_pp.stages.worker import StageSpec, StageWorker
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class UniprocExecutor:
     def _run(self, microbatch: MicroBatch) -> StepResult:
         try:
             self.faults.before(microbatch)
-            return to_step_result(self.worker.execute(microbatch))
+            return self.worker.execute(microbatch)
         except Exception as e:  # noqa: BLE001 - isolate the request(s) that fail
             if len(microbatch.chunks) == 1:
                 seq_id = microbatch.chunks[0].seq_id

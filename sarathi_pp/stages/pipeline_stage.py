@@ -35,7 +35,7 @@ from sarathi_pp.microbatch import MicroBatch, StepResult, fill_ring
 from sarathi_pp.planner.memory import StageMemory
 from sarathi_pp.stages.device import set_num_threads
 from sarathi_pp.stages.fault_injector import FaultInjector
-from sarathi_pp.stages.worker import StageSpec, StageWorker, to_step_result
+from sarathi_pp.stages.worker import StageSpec, StageWorker
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class PipelineStage:
         if self.ring is not None and s.is_first:  # before the hidden states go on
             self.ring.expect(microbatch.microbatch_id, microbatch.sampled_seq_ids)
         if s.is_last:
-            result = result or to_step_result(out)
+            result = result or out
             if self.ring is not None:
                 ids = microbatch.sampled_seq_ids
                 self.ring.send(microbatch.microbatch_id, ids, result.sampled)
@@ -213,7 +213,7 @@ class PipelineStage:
         events = [*events, event]
         if not s.is_last:
             return out, events, failure
-        result = StepResult(failure=failure) if failure is not None else to_step_result(out)
+        result = StepResult(failure=failure) if failure is not None else out
         result.events = events
         return result
 

@@ -4,12 +4,17 @@ Greedy rows are one batched argmax. Random rows are filtered and sampled in one 
 request with a ``seed`` draws from its own generator keyed by (seed, output index), so its
 tokens do not depend on what else is in the batch or on preemption. A row whose logits are
 not finite yields ``INVALID_TOKEN`` so the engine fails that request alone.
+
+``logprobs`` gives the rows that ask for them (``SamplingParams.logprobs``) their sampled
+token's log-probability and rank and the most likely tokens', from the raw logits (vLLM's
+default: before temperature, top-k and top-p), one batched ``log_softmax`` and ``topk``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from sarathi_pp.microbatch import TokenLogprobs
 from sarathi_pp.sampling_params import SamplingParams
 
 INVALID_TOKEN = -1
@@ -28,6 +33,31 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_outputs: list
     bad = ~torch.isfinite(logits).all(dim=-1)
     tokens[bad] = INVALID_TOKEN
     return tokens.tolist()
+
+
+def logprobs(
+    logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+) -> dict[int, TokenLogprobs]:
+    """Row index -> the log-probabilities of its sampled token, for each row whose
+    ``params`` ask for them and whose token is valid."""
+    rows = [
+        i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] != INVALID_TOKEN
+    ]
+    if not rows:
+        return {}
+    idx = torch.tensor(rows, device=logits.device)
+    lp = logits[idx].float().log_softmax(dim=-1)
+    chosen = torch.tensor([tokens[i] for i in rows], device=logits.device).unsqueeze(1)
+    chosen_lp = lp.gather(1, chosen)
+    ranks = (lp > chosen_lp).sum(dim=-1) + 1
+    k = max(params[i].logprobs or 0 for i in rows)
+    top_lp, top_ids = lp.topk(k, dim=-1)
+    top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
+    out = {}
+    for j, (i, token_lp, rank) in enumerate(zip(rows, chosen_lp[:, 0].tolist(), ranks.tolist())):
+        n = params[i].logprobs or 0
+        out[i] = TokenLogprobs(token_lp, rank, tuple(top_ids_l[j][:n]), tuple(top_lp_l[j][:n]))
+    return out
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -20,7 +20,7 @@ from sarathi_pp.stages.attention import ATTENTION_BACKENDS, select_backend
 from sarathi_pp.stages.kv_cache import KVCache
 from sarathi_pp.stages.metadata import build_metadata, sample_rows
 from sarathi_pp.stages.model import StageModel
-from sarathi_pp.stages.sampler import INVALID_TOKEN, sample
+from sarathi_pp.stages.sampler import INVALID_TOKEN, logprobs, sample
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -120,7 +120,7 @@ class StageWorker:
     @torch.inference_mode()
     def execute(self, microbatch: MicroBatch, hidden: torch.Tensor | None = None):
         """Run this stage on ``microbatch``. Returns hidden states ``[num_tokens, hidden]`` for the
-        next stage, or on the last stage the sampled tokens ``{seq_id: token_id}``."""
+        next stage, or on the last stage its ``StepResult`` (the sampled tokens)."""
         assert self.model is not None and self.kv is not None, "load_model/init_kv_cache first"
         token_ids, meta = build_metadata(microbatch, self.block_size, self.device, self.backend)
         if self.stage.is_first:
@@ -138,23 +138,22 @@ class StageWorker:
             return out
         return self._sample(microbatch, out)
 
-    def _sample(self, microbatch: MicroBatch, hidden: torch.Tensor) -> dict[int, int]:
+    def _sample(self, microbatch: MicroBatch, hidden: torch.Tensor) -> StepResult:
+        """The last stage's result: each sampling sequence's token (and its log-probabilities
+        if asked for), or its failure (non-finite logits: that request fails alone)."""
         rows = sample_rows(microbatch)
+        result = StepResult()
         if not rows:
-            return {}
+            return result
         chunks = [c for c in microbatch.chunks if c.do_sample]
         logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
         params = [c.sampling_params for c in chunks]
         tokens = sample(logits, params, [c.num_output_tokens for c in chunks])
-        return {c.seq_id: t for c, t in zip(chunks, tokens)}
-
-
-def to_step_result(sampled: dict[int, int]) -> StepResult:
-    """Split the last stage's tokens into samples and per-request failures."""
-    result = StepResult()
-    for seq_id, token in sampled.items():
-        if token == INVALID_TOKEN:
-            result.errors[seq_id] = "the model produced non-finite logits"
-        else:
-            result.sampled[seq_id] = token
-    return result
+        for i, lp in logprobs(logits, params, tokens).items():
+            result.logprobs[chunks[i].seq_id] = lp
+        for chunk, token in zip(chunks, tokens):
+            if token == INVALID_TOKEN:
+                result.errors[chunk.seq_id] = "the model produced non-finite logits"
+            else:
+                result.sampled[chunk.seq_id] = token
+        return result

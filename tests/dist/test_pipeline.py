@@ -187,6 +187,68 @@ def test_killed_stage_is_a_clear_error(ray_cluster, llama_dir):
     assert llm.engine.executor.actors == []  # released
 
 
+def _logprob_values(completion):
+    return [[(t, e.logprob, e.rank) for t, e in entry.items()] for entry in completion.logprobs]
+
+
+def _assert_same_logprobs(ours, ref):
+    """Per position the same tokens and ranks in the same order, the values within 1e-5."""
+    assert [[(t, r) for t, _, r in pos] for pos in ours] == [
+        [(t, r) for t, _, r in pos] for pos in ref
+    ]
+    flat = [v for pos in ours for _, v, _ in pos]
+    assert flat == pytest.approx([v for pos in ref for _, v, _ in pos], abs=1e-5)
+
+
+def test_pp2_logprobs_and_n_equal_pp1(pp2, llama_dir):
+    """Log-probabilities come back from the last stage over Ray as PP=1 computes them, and
+    ``n`` completions per prompt run as seeded children on the pipeline too."""
+    pp2.engine.set_scheduler(policy="sarathi", chunk_size=16, tile_align=False)
+    prompts = make_prompts(seed=8, lens=(5, 40))
+    sp = SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True, n=2, logprobs=3)
+    ours = pp2.generate(prompts, sp, use_tqdm=False)
+    with LLM(str(llama_dir), max_model_len=256, chunk_size=16, tile_align=False) as pp1:
+        ref = pp1.generate(prompts, sp, use_tqdm=False)
+    for a, b in zip(ours, ref):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        for ca, cb in zip(a.outputs, b.outputs):
+            _assert_same_logprobs(_logprob_values(ca), _logprob_values(cb))
+    assert ours[0].outputs[0].token_ids != ours[0].outputs[1].token_ids
+
+
+def test_torchrun_logprobs_and_n_equal_pp1(llama_dir, tmp_path):
+    """The same over torchrun's control plane (the codec carries the log-probabilities)."""
+    prompts = ["Hello", "The pipeline has two stages"]
+    out = tmp_path / "out.jsonl"
+    cmd = torchrun_command(
+        llama_dir, "--pipeline-parallel-size", "2", "--max-tokens", "6", "--ignore-eos",
+        "--output", str(out), "--temperature", "0.8", "--seed", "4", "--num-completions", "2",
+        "--logprobs", "2", "--set", "model.max_model_len=256",
+        "--set", "parallel.stage_timeout_s=60", *(a for p in prompts for a in ("--prompt", p)),
+    )  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    with LLM(str(llama_dir), max_model_len=256, seed=4) as pp1:
+        ref = pp1.generate(
+            prompts,
+            SamplingParams(max_tokens=6, temperature=0.8, ignore_eos=True, n=2, logprobs=2),
+            use_tqdm=False,
+        )
+    for record, r in zip(records, ref, strict=True):
+        got = record["completions"]
+        assert [c["token_ids"] for c in got] == [c.token_ids for c in r.outputs]
+        for c, cr in zip(got, r.outputs):
+            values = [
+                [(e["token_id"], e["logprob"], e["rank"]) for e in pos] for pos in c["logprobs"]
+            ]
+            _assert_same_logprobs(values, _logprob_values(cr))
+            assert c["cumulative_logprob"] == pytest.approx(cr.cumulative_logprob)
+    assert records[0]["completions"][0]["token_ids"] != records[0]["completions"][1]["token_ids"]
+
+
 @pytest.mark.parametrize(
     "scheduler, chunk_size, in_flight", [("sarathi", 256, None), ("sarathi", 8, 3), ("vllm", 8, 3)]
 )

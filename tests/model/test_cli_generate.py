@@ -126,6 +126,51 @@ def test_summary_times_the_generation_not_the_report(llama_dir, tmp_path, monkey
     assert (tmp_path / "run" / "summary.json").is_file()  # the report was written all the same
 
 
+def test_num_completions_and_logprobs(llama_dir, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    argv = [
+        "generate", *engine_args(llama_dir), "--prompt", PROMPTS[0], "--prompt", PROMPTS[2],
+        "--max-tokens", "4", "--ignore-eos", "--temperature", "1.0", "--seed", "9",
+        "--num-completions", "3", "--logprobs", "2",
+    ]  # fmt: skip
+    assert main([*argv, "--output", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    llm = LLM(config=config_from_args(build_parser().parse_args(argv)))
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, n=3, logprobs=2)
+    expected = llm.generate([PROMPTS[0], PROMPTS[2]], params, use_tqdm=False)
+    for r, e in zip(records, expected, strict=True):
+        assert [c["index"] for c in r["completions"]] == [0, 1, 2]
+        assert [c["token_ids"] for c in r["completions"]] == [c.token_ids for c in e.outputs]
+        assert r["token_ids"] == r["completions"][0]["token_ids"]  # the first's, at the top
+        for c, ce in zip(r["completions"], e.outputs):
+            assert [[p["token_id"] for p in pos] for pos in c["logprobs"]] == [
+                list(entry) for entry in ce.logprobs
+            ]
+            assert [pos[0]["logprob"] for pos in c["logprobs"]] == [
+                entry[t].logprob for t, entry in zip(ce.token_ids, ce.logprobs)
+            ]
+            assert c["cumulative_logprob"] == ce.cumulative_logprob
+    assert len({tuple(c["token_ids"]) for c in records[0]["completions"]}) > 1
+    assert main(argv) == 0  # readable: each completion
+    captured = capsys.readouterr()
+    assert captured.out.count("    output 2: ") == 2 and "cumulative logprob" in captured.out
+    assert "2 requests, 24 generated tokens" in captured.err
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--num-completions", "0"], "n must be an integer >= 1, got 0"),
+        (["--logprobs", "21"], "logprobs must be None or an integer in [0, 20], got 21"),
+    ],
+)
+def test_bad_sampling_flags_are_usage_errors(llama_dir, capsys, flags, says):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", *engine_args(llama_dir), "--prompt", "hi", *flags])
+    assert info.value.code == 2
+    assert says in capsys.readouterr().err
+
+
 def test_missing_model_dir(tmp_path, capsys):
     missing = tmp_path / "no-such-model"
     with pytest.raises(SystemExit) as info:

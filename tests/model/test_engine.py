@@ -177,8 +177,8 @@ def test_bad_prompts_fail_before_any_work(llm, bad, match):
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"n": 2}, "n=2"),
-        ({"logprobs": 1}, "logprobs"),
+        ({"n": 0}, "n must be"),
+        ({"logprobs": 21}, "logprobs"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):

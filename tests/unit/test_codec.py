@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from sarathi_pp.comm.codec import MAX_DEPTH, WIRE_VERSION, CodecError, decode, encode, record_fields
 from sarathi_pp.events import StageEvent
-from sarathi_pp.microbatch import MicroBatch, ScheduledChunk, StepResult
+from sarathi_pp.microbatch import MicroBatch, ScheduledChunk, StepResult, TokenLogprobs
 from sarathi_pp.planner.memory import StageMemory
 from sarathi_pp.sampling_params import SamplingParams
 
@@ -35,6 +35,8 @@ sampling_params = st.builds(
     stop=st.lists(st.text(min_size=1, max_size=8), max_size=3).map(tuple),
     stop_token_ids=st.lists(IDS, max_size=3).map(tuple),
     ignore_eos=st.booleans(),
+    n=st.integers(1, 8),
+    logprobs=st.one_of(st.none(), st.integers(0, 20)),
 )
 
 
@@ -70,9 +72,20 @@ stage_events = st.builds(
     compute_end=TIMES,
     send_end=TIMES,
 )
+LOGPROBS = st.floats(max_value=0.0, allow_nan=False)
+token_logprobs = st.integers(0, 5).flatmap(
+    lambda k: st.builds(
+        TokenLogprobs,
+        logprob=LOGPROBS,
+        rank=st.integers(1, 2**31 - 1),
+        top_ids=st.lists(IDS, min_size=k, max_size=k).map(tuple),
+        top_logprobs=st.lists(LOGPROBS, min_size=k, max_size=k).map(tuple),
+    )
+)
 step_results = st.builds(
     StepResult,
     sampled=st.dictionaries(IDS, IDS, max_size=8),
+    logprobs=st.dictionaries(IDS, token_logprobs, max_size=4),
     errors=st.dictionaries(IDS, TEXT, max_size=3),
     events=st.lists(stage_events, max_size=3),
     failure=st.one_of(st.none(), TEXT),
@@ -120,7 +133,16 @@ def test_floats_are_exact_and_nan_travels():
 
 
 @pytest.mark.parametrize(
-    "cls", [SamplingParams, ScheduledChunk, MicroBatch, StageEvent, StepResult, StageMemory]
+    "cls",
+    [
+        SamplingParams,
+        ScheduledChunk,
+        MicroBatch,
+        StageEvent,
+        TokenLogprobs,
+        StepResult,
+        StageMemory,
+    ],
 )
 def test_the_codec_sends_every_field(cls):
     """A field added to a value type must be added to the codec too (or it would be lost);
@@ -177,10 +199,14 @@ CHUNK = [1, 0, [5, 6], True, [0], None, 1, -1]  # a valid ScheduledChunk's field
         ),
         (_packed(["stage_memory", 0, 1, 2]), "expected the 4 fields of a StageMemory, got 3"),
         (
-            _packed(["step_result", [[1]], [], [], None]),
+            _packed(["step_result", [[1]], [], [], None, []]),
             "step_result.sampled[0]: expected a [key, value] pair",
         ),
-        (_packed(["step_result", [], [], [], 5]), "step_result.failure: expected str, got int"),
+        (_packed(["step_result", [], [], [], 5, []]), "step_result.failure: expected str, got int"),
+        (
+            _packed(["step_result", [], [], [], None, [[2, ["token_logprobs", -1.0, 1, [], []]]]]),
+            "step_result.logprobs[2]: expected the 4 fields of a TokenLogprobs",
+        ),
     ],
 )
 def test_malformed_messages_are_codec_errors(data, says):
@@ -212,6 +238,10 @@ def test_tuples_nest_only_so_deep():
         ({"a": 1}, "values of type dict cannot travel"),
         (StepResult(sampled={1: 2**70}), "cannot encode"),
         (StepResult(sampled={1: True}), "step_result.sampled[1]: expected int, got bool"),
+        (
+            StepResult(logprobs={3: TokenLogprobs(-0.5, 1, (4,), (1,))}),
+            "step_result.logprobs[3].top_logprobs: expected float items, got int",
+        ),
         (StageMemory(0, 1.5, 2, 3), "stage_memory.param_bytes: expected int, got float"),
         ("\udc80", "cannot encode"),  # a lone surrogate is no UTF-8
     ],

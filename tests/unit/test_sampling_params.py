@@ -31,8 +31,9 @@ def test_normalisation():
         (dict(top_p=0.0), r"top_p.*\(0, 1\].*0.0"),
         (dict(top_p=1.5), "top_p.*1.5"),
         (dict(top_k=-2), "top_k.*-2"),
-        (dict(n=2), "n=2"),
-        (dict(logprobs=1), "logprobs=1"),
+        (dict(n=0), "n must be an integer >= 1, got 0"),
+        (dict(logprobs=-1), r"logprobs must be None or an integer in \[0, 20\], got -1"),
+        (dict(logprobs=21), "logprobs.*21"),
         (dict(use_beam_search=True), "beam search"),
         (dict(seed="x"), "seed.*'x'"),
         (dict(stop=[""]), "stop strings"),
@@ -47,6 +48,8 @@ def test_bad_values_raise_value_error_naming_them(kwargs, match):
 def test_boundary_values_are_accepted():
     SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=5, seed=0)
     SamplingParams(top_p=1e-6, logprobs=None, n=1)
+    SamplingParams(n=5, logprobs=0)
+    SamplingParams(logprobs=20)
 
 
 def test_tiny_temperature_is_greedy_not_an_overflow():
