@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sarathi_pp.engine import EngineDeadError
+from sarathi_pp.engine import EngineDeadError, parallel_sampling
 from sarathi_pp.scheduler.base import QueueFullError
 from sarathi_pp.serve import protocol as p
 from sarathi_pp.serve.engine_loop import EngineFailure, EngineLoop, Sink
@@ -110,42 +110,61 @@ class _Routes:
         req = p.completion_request(await _json_body(request))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         many = len(req.prompts) > 1
-        ids = [f"{request_id}-{i}" if many else request_id for i in range(len(req.prompts))]
+        # One engine request per choice: prompt i's completion j is choice i * n + j.
+        children = [
+            (child, params, prompt, i)
+            for i, prompt in enumerate(req.prompts)
+            for child, params in parallel_sampling.child_requests(
+                f"{request_id}-{i}" if many else request_id, req.params
+            )
+        ]
 
         def add(engine: Any) -> None:  # every prompt or none: one bad prompt fails the request
             added: list[str] = []
             try:
-                for rid, prompt in zip(ids, req.prompts, strict=True):
-                    engine.add_request(rid, prompt.text, req.params, prompt.token_ids)
+                for rid, params, prompt, _ in children:
+                    engine.add_request(rid, prompt.text, params, prompt.token_ids)
                     added.append(rid)
             except BaseException:
                 for rid in added:
                     engine.abort(rid)
                 raise
 
-        return await self._generate(request, req, request_id, ids, add, chat=False)
+        choices = _Choices([c[0] for c in children], [c[3] for c in children])
+        return await self._generate(request, req, request_id, choices, add, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         req = p.chat_request(await _json_body(request))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         messages = req.messages
+        children = parallel_sampling.child_requests(request_id, req.params)
 
         def add(engine: Any) -> None:  # on the engine thread: it owns the tokenizer
             prompt, token_ids = render_chat(engine, messages)
-            engine.add_request(request_id, prompt, req.params, prompt_token_ids=token_ids)
+            added: list[str] = []
+            try:
+                for rid, params in children:
+                    engine.add_request(rid, prompt, params, prompt_token_ids=token_ids)
+                    added.append(rid)
+            except BaseException:
+                for rid in added:
+                    engine.abort(rid)
+                raise
 
-        return await self._generate(request, req, request_id, [request_id], add, chat=True)
+        choices = _Choices([rid for rid, _ in children], [0] * len(children))
+        return await self._generate(request, req, request_id, choices, add, chat=True)
 
     async def _generate(
         self,
         http_request: Request,
         req: GenerateRequest,
         request_id: str,
-        ids: list[str],
+        choices: _Choices,
         add: Callable[[Any], None],
         chat: bool,
     ) -> Response:
-        """Add the engine requests ``ids`` (one per choice) and answer with their outputs."""
+        """Add the engine requests of ``choices`` (one per choice) and answer with their
+        outputs."""
         if req.model is not None and req.model != self.model:
             raise ApiError(
                 404,
@@ -157,24 +176,30 @@ class _Routes:
             raise ApiError(503, "the server is stopping", "service_unavailable")
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())  # every choice's outputs
         try:
-            await asyncio.wrap_future(self.engine_loop.add(ids, sink, add))
+            await asyncio.wrap_future(self.engine_loop.add(choices.ids, sink, add))
         except (ValueError, TypeError) as e:
             raise p.bad_request(str(e)) from None
         except QueueFullError as e:
             raise ApiError(429, str(e), "rate_limit_exceeded", code="queue_full") from None
         except (EngineDeadError, EngineFailure) as e:
             raise ApiError(503, str(e), "service_unavailable") from None
-        choices = _Choices(ids)
         if req.stream:
             events = self._stream(req, request_id, choices, sink, chat)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            return JSONResponse(await self._complete(http_request, request_id, choices, sink, chat))
+            answer = await self._complete(http_request, req, request_id, choices, sink, chat)
+            return JSONResponse(answer)
         except _ClientGone:  # aborted; nobody reads this
             return Response(status_code=499)
 
     async def _complete(
-        self, request: Request, request_id: str, choices: _Choices, sink: Sink, chat: bool
+        self,
+        request: Request,
+        req: GenerateRequest,
+        request_id: str,
+        choices: _Choices,
+        sink: Sink,
+        chat: bool,
     ) -> dict[str, Any]:
         reader = _Reader(sink, request)
         try:
@@ -183,24 +208,30 @@ class _Routes:
         finally:
             for rid in choices.unfinished:  # the client is gone (or we were cancelled)
                 self.engine_loop.abort(rid)
-        outs = choices.final
+        answers = []
+        for out in choices.final:
+            c = out.outputs[0]
+            lp = _logprobs(req, c.token_ids, c.logprobs, chat)
+            answers.append({"text": c.text, "finish_reason": c.finish_reason, "logprobs": lp})
         use = choices.usage()
         if chat:
-            c = outs[0].outputs[0]
-            return p.chat_response(request_id, self.model, c.text, c.finish_reason, use)
-        texts = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
-        return p.completion_response(request_id, self.model, texts, use)
+            return p.chat_response(request_id, self.model, answers, use)
+        return p.completion_response(request_id, self.model, answers, use)
 
     async def _stream(
         self, req: GenerateRequest, request_id: str, choices: _Choices, sink: Sink, chat: bool
     ) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per new text of a choice, its finish reason, usage if
-        asked for, ``[DONE]``. A client gone mid-stream cancels this generator: its requests
-        are aborted."""
+        """Server-sent events: a chunk per new text of a choice (with the log-probabilities
+        of its new tokens when asked for), its finish reason, usage if asked for,
+        ``[DONE]``. A client gone mid-stream cancels this generator: its requests are
+        aborted."""
         try:
             if chat:
-                yield _sse(p.chat_chunk(request_id, self.model, {"role": "assistant"}, None))
+                for index in range(len(choices.ids)):
+                    delta = {"role": "assistant"}
+                    yield _sse(p.chat_chunk(request_id, self.model, delta, None, index))
             num_sent = [0] * len(choices.ids)  # characters of each choice's text streamed
+            tokens_sent = [0] * len(choices.ids)  # and tokens (their log-probabilities)
             stops = req.params.stop
             while not choices.all_finished:
                 try:
@@ -215,8 +246,16 @@ class _Routes:
                 end = len(text) if out.finished else _safe_end(text, stops)
                 delta, num_sent[index] = text[num_sent[index] : end], max(num_sent[index], end)
                 if delta or out.finished:
+                    first, tokens_sent[index] = tokens_sent[index], len(completion.token_ids)
+                    new = completion.token_ids[first:]
+                    lp = None
+                    if completion.logprobs is not None:
+                        lp = _logprobs(
+                            req, new, completion.logprobs[first:], chat,
+                            text_offset=num_sent[index] - len(delta),
+                        )  # fmt: skip
                     reason = completion.finish_reason
-                    yield _sse(self._chunk(request_id, delta, reason, chat, index))
+                    yield _sse(self._chunk(request_id, delta, reason, chat, index, lp))
             if req.include_usage and choices.all_finished and not choices.failed:
                 chunk = self._chunk(request_id, "", None, chat, 0)
                 chunk["choices"] = []
@@ -228,20 +267,43 @@ class _Routes:
                 self.engine_loop.abort(rid)
 
     def _chunk(
-        self, request_id: str, text: str, finish_reason: str | None, chat: bool, index: int
+        self,
+        request_id: str,
+        text: str,
+        finish_reason: str | None,
+        chat: bool,
+        index: int,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict:
         if chat:
             delta = {"content": text} if text else {}
-            return p.chat_chunk(request_id, self.model, delta, finish_reason)
-        return p.completion_chunk(request_id, self.model, text, finish_reason, index)
+            return p.chat_chunk(request_id, self.model, delta, finish_reason, index, logprobs)
+        return p.completion_chunk(request_id, self.model, text, finish_reason, index, logprobs)
+
+
+def _logprobs(
+    req: GenerateRequest,
+    token_ids: list[int],
+    logprobs: Any,
+    chat: bool,
+    text_offset: int = 0,
+) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` object over ``token_ids``, or ``None`` when not asked for."""
+    top = req.params.logprobs
+    if top is None or logprobs is None:
+        return None
+    if chat:
+        return p.chat_logprobs(token_ids, logprobs, top)
+    return p.completion_logprobs(token_ids, logprobs, text_offset)
 
 
 class _Choices:
-    """The engine requests of one HTTP request (one per choice, ``ids`` in choice order) and
-    their latest outputs."""
+    """The engine requests of one HTTP request (one per choice, ``ids`` in choice order,
+    ``prompts[i]``: the prompt choice ``i`` completes) and their latest outputs."""
 
-    def __init__(self, ids: list[str]) -> None:
+    def __init__(self, ids: list[str], prompts: list[int]) -> None:
         self.ids = ids
+        self.prompts = prompts
         self._index = {rid: i for i, rid in enumerate(ids)}
         self._latest: list[Any] = [None] * len(ids)
         self.failed = False  # the stream ended on an error
@@ -265,10 +327,15 @@ class _Choices:
         return self._latest
 
     def usage(self) -> dict[str, int]:
-        """Prompt and completion tokens summed over the choices."""
+        """Each prompt's tokens once (``n`` choices of one prompt share it, as OpenAI
+        counts) and the completion tokens of every choice."""
+        prompt_tokens = {
+            prompt: len(o.prompt_token_ids)
+            for prompt, o in zip(self.prompts, self._latest, strict=True)
+            if o is not None
+        }
         outs = [o for o in self._latest if o is not None]
-        num_prompt = sum(len(o.prompt_token_ids) for o in outs)
-        return p.usage(num_prompt, sum(len(o.outputs[0].token_ids) for o in outs))
+        return p.usage(sum(prompt_tokens.values()), sum(len(o.outputs[0].token_ids) for o in outs))
 
 
 def _done(out: Any) -> bool:

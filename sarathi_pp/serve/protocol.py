@@ -12,19 +12,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sarathi_pp.sampling_params import SamplingParams
+from sarathi_pp.outputs import Logprob, SampleLogprobs
+from sarathi_pp.sampling_params import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
 
 # Parameters the engine lacks: accepted when missing, null or at their default (the
 # predicate), refused with a 400 otherwise.
 _UNSUPPORTED: dict[str, Any] = {
-    "n": lambda v: v == 1 and not isinstance(v, bool),
     "best_of": lambda v: v == 1 and not isinstance(v, bool),
     "presence_penalty": lambda v: v == 0 and not isinstance(v, bool),
     "frequency_penalty": lambda v: v == 0 and not isinstance(v, bool),
-    "logprobs": lambda v: v is False or (v == 0 and not isinstance(v, bool)),
-    "top_logprobs": lambda v: v == 0 and not isinstance(v, bool),
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
     "logit_bias": lambda v: v == {},
@@ -89,8 +87,12 @@ class GenerateRequest:
     messages: list[dict[str, Any]] | None = None
 
 
-# Prompts in one completion request at most (each is its own engine request).
+# Prompts in one completion request at most, and choices (prompts x ``n``: each its own
+# engine request) in one request.
 MAX_PROMPTS = 64
+MAX_CHOICES = 64
+# OpenAI's JSON has no -inf: a log-probability below this is sent as this (as vLLM).
+MIN_LOGPROB = -9999.0
 
 
 # --- checks --------------------------------------------------------------------------------
@@ -140,7 +142,9 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def sampling_params(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> SamplingParams:
+def sampling_params(
+    body: dict[str, Any], max_tokens_keys: tuple[str, ...], logprobs: int | None = None
+) -> SamplingParams:
     max_tokens = DEFAULT_MAX_TOKENS
     for key in max_tokens_keys:  # the first one given wins
         if body.get(key) is not None:
@@ -149,8 +153,13 @@ def sampling_params(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> S
                 raise bad_request(f"'{key}' must be >= 1, got {max_tokens}", key)
             break
     top_k = _get(body, "top_k", "int", 0)
+    n = _get(body, "n", "int", 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"'n' must be in [1, {MAX_CHOICES}], got {n}", "n")
     try:
         return SamplingParams(
+            n=n,
+            logprobs=logprobs,
             max_tokens=max_tokens,
             temperature=float(_get(body, "temperature", "number", 1.0)),
             top_p=float(_get(body, "top_p", "number", 1.0)),
@@ -160,10 +169,31 @@ def sampling_params(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> S
             ignore_eos=_get(body, "ignore_eos", "bool", False),
         )
     except (ValueError, TypeError) as e:
-        raise bad_request(str(e)) from None
+        # SamplingParams' messages start with the field they are about
+        name = str(e).split(" ", 1)[0].split("=", 1)[0]
+        raise bad_request(str(e), name if name in body else None) from None
 
 
-def _common(body: Any, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """``SamplingParams.logprobs`` from the request: completions' ``logprobs`` (how many
+    most likely tokens per position), chat's ``logprobs`` (bool) and ``top_logprobs``."""
+    if not chat:
+        num = _get(body, "logprobs", "int")
+        if num is not None and not 0 <= num <= MAX_LOGPROBS:
+            raise bad_request(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {num}", "logprobs")
+        return num
+    wanted = _get(body, "logprobs", "bool", False)
+    top = _get(body, "top_logprobs", "int")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad_request(
+            f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs"
+        )
+    if top and not wanted:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _common(body: Any, max_tokens_keys: tuple[str, ...], chat: bool) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
     check_unsupported(body)
@@ -174,7 +204,7 @@ def _common(body: Any, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
         raise bad_request("'stream_options.include_usage' must be a bool", "stream_options")
     return {
         "model": _get(body, "model", "str"),
-        "params": sampling_params(body, max_tokens_keys),
+        "params": sampling_params(body, max_tokens_keys, _logprobs(body, chat)),
         "stream": stream,
         "include_usage": stream and include_usage,
     }
@@ -183,7 +213,7 @@ def _common(body: Any, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
 def completion_request(body: Any) -> GenerateRequest:
     """``POST /v1/completions``: ``prompt`` as text, token ids, or a list of either (a
     batch: one choice per prompt, ``index`` in prompt order)."""
-    common = _common(body, ("max_tokens",))
+    common = _common(body, ("max_tokens",), chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not all(_is_int(t) for t in prompt):
         if len(prompt) > MAX_PROMPTS:
@@ -193,6 +223,12 @@ def completion_request(body: Any) -> GenerateRequest:
         prompts = tuple(_prompt(x, f"prompt[{i}]") for i, x in enumerate(prompt))
     else:
         prompts = (_prompt(prompt, "prompt"),)
+    n = common["params"].n
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad_request(
+            f"at most {MAX_CHOICES} choices per request (prompts x n), got {len(prompts)} x {n}",
+            "n",
+        )
     return GenerateRequest(prompts=prompts, **common)
 
 
@@ -211,7 +247,7 @@ def _prompt(prompt: Any, where: str) -> Prompt:
 def chat_request(body: Any) -> GenerateRequest:
     """``POST /v1/chat/completions``: ``messages`` of ``{"role", "content"}`` (text content,
     or a list of ``{"type": "text", "text"}`` parts)."""
-    common = _common(body, ("max_completion_tokens", "max_tokens"))
+    common = _common(body, ("max_completion_tokens", "max_tokens"), chat=True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
@@ -272,31 +308,104 @@ def _choice(index: int, body: dict[str, Any], finish_reason: str | None) -> dict
 
 
 def completion_response(
-    request_id: str, model: str, texts: list[tuple[str, str | None]], use: dict[str, int]
+    request_id: str, model: str, choices: list[dict[str, Any]], use: dict[str, int]
 ) -> dict[str, Any]:
-    """``texts``: each prompt's (text, finish reason), in prompt order."""
-    choices = [_choice(i, {"text": t}, f) for i, (t, f) in enumerate(texts)]
-    return _envelope(request_id, "text_completion", model, choices, use)
+    """``choices``: each choice's ``{"text", "finish_reason", "logprobs"}``, in order."""
+    return _envelope(request_id, "text_completion", model, _indexed(choices), use)
 
 
 def chat_response(
-    request_id: str, model: str, text: str, finish_reason: str | None, use: dict[str, int]
+    request_id: str, model: str, choices: list[dict[str, Any]], use: dict[str, int]
 ) -> dict[str, Any]:
-    message = {"message": {"role": "assistant", "content": text}}
-    return _envelope(
-        request_id, "chat.completion", model, [_choice(0, message, finish_reason)], use
-    )
+    """``choices``: each choice's ``{"text", "finish_reason", "logprobs"}``, in order."""
+    messages = [
+        {
+            "message": {"role": "assistant", "content": c["text"]},
+            "finish_reason": c["finish_reason"],
+            "logprobs": c["logprobs"],
+        }
+        for c in choices
+    ]
+    return _envelope(request_id, "chat.completion", model, _indexed(messages), use)
+
+
+def _indexed(choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"index": i, **c} for i, c in enumerate(choices)]
 
 
 def completion_chunk(
-    request_id: str, model: str, text: str, finish_reason: str | None, index: int = 0
+    request_id: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = _choice(index, {"text": text}, finish_reason)
+    choice = _choice(index, {"text": text, "logprobs": logprobs}, finish_reason)
     return _envelope(request_id, "text_completion", model, [choice], None)
 
 
 def chat_chunk(
-    request_id: str, model: str, delta: dict[str, str], finish_reason: str | None
+    request_id: str,
+    model: str,
+    delta: dict[str, str],
+    finish_reason: str | None,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = _choice(0, {"delta": delta}, finish_reason)
+    choice = _choice(index, {"delta": delta, "logprobs": logprobs}, finish_reason)
     return _envelope(request_id, "chat.completion.chunk", model, [choice], None)
+
+
+# --- log-probabilities ---------------------------------------------------------------------
+def _token_text(token_id: int, entry: Logprob) -> str:
+    # Without a tokenizer the token has no text: vLLM's "token_id:<id>" spelling.
+    return entry.decoded_token if entry.decoded_token is not None else f"token_id:{token_id}"
+
+
+def _clamped(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def completion_logprobs(
+    token_ids: list[int], logprobs: SampleLogprobs, text_offset: int = 0
+) -> dict[str, Any]:
+    """OpenAI's completion ``logprobs`` over ``token_ids`` (one ``logprobs`` entry each):
+    each token's text, log-probability, the most likely tokens' (``{text: logprob}``) and
+    where its text starts, counted from ``text_offset``."""
+    out: dict[str, list] = {
+        "text_offset": [],
+        "token_logprobs": [],
+        "tokens": [],
+        "top_logprobs": [],
+    }
+    for token_id, entry in zip(token_ids, logprobs, strict=True):
+        text = _token_text(token_id, entry[token_id])
+        out["text_offset"].append(text_offset)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(_clamped(entry[token_id].logprob))
+        out["top_logprobs"].append(
+            {_token_text(t, e): _clamped(e.logprob) for t, e in entry.items()}
+        )
+        text_offset += len(text)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], logprobs: SampleLogprobs, top: int) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs``: ``{"content": [...]}``, one item per token with its
+    ``top`` most likely tokens (most likely first)."""
+
+    def item(token_id: int, e: Logprob) -> dict[str, Any]:
+        text = _token_text(token_id, e)
+        return {"token": text, "logprob": _clamped(e.logprob), "bytes": list(text.encode())}
+
+    content = []
+    for token_id, entry in zip(token_ids, logprobs, strict=True):
+        ranked = sorted(
+            ((t, e) for t, e in entry.items() if e.rank is not None and e.rank <= top),
+            key=lambda te: te[1].rank or 0,
+        )
+        content.append(
+            {**item(token_id, entry[token_id]), "top_logprobs": [item(t, e) for t, e in ranked]}
+        )
+    return {"content": content}

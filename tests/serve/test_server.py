@@ -171,6 +171,94 @@ def test_chat_equals_the_rendered_prompt(client, reference) -> None:
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_completion_logprobs_equal_llm_generate(client, reference) -> None:
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
+    (ref,) = reference.generate(["Hello world"], params, use_tqdm=False)
+    ours = ref.outputs[0]
+    r = client.completions.create(
+        model=MODEL, prompt="Hello world", max_tokens=8, logprobs=2, **GREEDY
+    )
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == [e[t].logprob for t, e in zip(ours.token_ids, ours.logprobs)]
+    assert lp.tokens == [e[t].decoded_token for t, e in zip(ours.token_ids, ours.logprobs)]
+    assert lp.top_logprobs == [
+        {e.decoded_token: e.logprob for e in entry.values()} for entry in ours.logprobs
+    ]
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # streamed: each chunk has its new tokens' entries, offsets running on
+    tokens, offsets, values = [], [], []
+    for chunk in client.completions.create(
+        model=MODEL, prompt="Hello world", max_tokens=8, logprobs=2, stream=True, **GREEDY
+    ):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            tokens += chunk.choices[0].logprobs.tokens
+            offsets += chunk.choices[0].logprobs.text_offset
+            values += chunk.choices[0].logprobs.token_logprobs
+    assert (tokens, values) == (lp.tokens, lp.token_logprobs)
+    assert offsets == lp.text_offset
+    # not asked for: null, as OpenAI
+    plain = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=2, **GREEDY)
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_and_top_logprobs(client) -> None:
+    messages = [{"role": "user", "content": "hi there"}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, logprobs=True, top_logprobs=3, **GREEDY
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6
+    for item in content:
+        assert item.bytes == list(item.token.encode())
+        tops = [t.logprob for t in item.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert item.top_logprobs[0].token == item.token  # greedy: the most likely
+        assert item.logprob == tops[0] <= 0
+    only = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, logprobs=True, **GREEDY
+    )
+    assert [c.top_logprobs for c in only.choices[0].logprobs.content] == [[], [], []]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=MODEL, messages=messages, top_logprobs=2)
+
+
+def test_n_choices_per_prompt(client, reference) -> None:
+    sampled = {"temperature": 1.0, "seed": 5, "max_tokens": 6}
+    prompts = ["Hello world", "abc"]
+    r = client.completions.create(model=MODEL, prompt=prompts, n=3, **sampled)
+    refs = reference.generate(
+        prompts, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6), use_tqdm=False
+    )
+    # choice i * n + j: prompt i's completion j
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [c.text for o in refs for c in o.outputs]
+    assert len({c.text for c in r.choices[:3]}) > 1
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in refs)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, 6 * 6)
+    streamed = [""] * 6
+    for chunk in client.completions.create(
+        model=MODEL, prompt=prompts, n=3, stream=True, **sampled
+    ):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in r.choices]
+
+    messages = [{"role": "user", "content": "hi there"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, n=2, **sampled)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content != chat.choices[1].message.content
+    parts = ["", ""]
+    roles = []
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=messages, n=2, stream=True, **sampled
+    ):
+        for c in chunk.choices:
+            parts[c.index] += c.delta.content or ""
+            roles += [c.index] if c.delta.role else []
+    assert parts == [c.message.content for c in chat.choices] and sorted(roles) == [0, 1]
+
+
 def test_concurrent_streams_all_finish(client) -> None:
     results: dict[int, tuple[str, str | None]] = {}
 
@@ -253,7 +341,9 @@ def test_disconnect_while_waiting_for_a_whole_answer_aborts_it(server, monkeypat
         ({"prompt": "x", "max_tokens": "7"}, "max_tokens"),
         ({"prompt": "x", "temperature": -1}, "temperature"),
         ({"prompt": "x", "stream": "yes"}, "stream"),
-        ({"prompt": "x", "n": 2}, "'n'"),
+        ({"prompt": "x", "n": 0}, "'n'"),
+        ({"prompt": ["a", "b"], "n": 40}, "prompts x n"),
+        ({"prompt": "x", "logprobs": 30}, "'logprobs'"),
         ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
         ({"prompt": "x" * 600}, "max_model_len"),  # past max_position_embeddings
         (b"{not json", "JSON"),
@@ -268,7 +358,7 @@ def test_bad_request_is_a_400_naming_it(server, body, word: str) -> None:
 
 def test_bad_requests_through_the_client(client) -> None:
     with pytest.raises(openai.BadRequestError, match="'n'"):
-        client.completions.create(model=MODEL, prompt="x", n=2)
+        client.completions.create(model=MODEL, prompt="x", n=0)
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=MODEL, messages=[])
     with pytest.raises(openai.NotFoundError, match="nope"):
