@@ -96,6 +96,34 @@ def test_a_bad_or_unsupported_field_is_a_400(field: dict) -> None:
     assert e.value.status == 400
 
 
+@pytest.mark.parametrize(
+    "field, param",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_k": -3}, "top_k"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ],
+)
+def test_a_400_names_its_field_in_param(field: dict, param: str) -> None:
+    with pytest.raises(ApiError) as e:
+        completion_request({"prompt": "x", **field})
+    assert e.value.param == param
+
+
+def test_chat_logprobs_fields() -> None:
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert chat_request(chat).params.logprobs is None
+    assert chat_request({**chat, "logprobs": True}).params.logprobs == 0
+    assert chat_request({**chat, "logprobs": True, "top_logprobs": 4}).params.logprobs == 4
+    assert chat_request({**chat, "logprobs": False, "top_logprobs": 0}).params.logprobs is None
+    for bad, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 1}, "logprobs")):
+        with pytest.raises(ApiError) as e:
+            chat_request({**chat, **bad})
+        assert e.value.param == param
+
+
 def test_chat_messages() -> None:
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     r = chat_request({"messages": [{"role": "user", "content": parts}]})
