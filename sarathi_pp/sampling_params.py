@@ -16,7 +16,9 @@ class SamplingParams:
     """How to pick tokens and when to stop, per request.
 
     Defaults follow vLLM: ``temperature=1.0``, ``top_p=1.0``, ``top_k=0`` (off; ``-1`` is
-    accepted as "off" too), ``max_tokens=16``. ``temperature=0`` means greedy.
+    accepted as "off" too), ``min_p=0.0`` (off), ``max_tokens=16``. ``temperature=0`` means
+    greedy. ``n``: completions per prompt (``engine/parallel_sampling.py``); ``logprobs``:
+    the log-probabilities of each sampled token and of the ``logprobs`` most likely.
 
     Checked at construction (``ValueError`` naming the field and the value): integer fields
     take any integer type (numpy's included; stored as ``int``) but not ``True``/``False``
@@ -34,6 +36,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     use_beam_search: bool = False
+    min_p: float = 0.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Normalise so the value stays hashable and immutable, with plain Python types
@@ -44,9 +49,14 @@ class SamplingParams:
         for name in ("seed", "logprobs"):
             value = getattr(self, name)
             set_(name, None if value is None else _as_int(name, value, "an integer or None"))
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p"):
             set_(name, _as_finite(name, getattr(self, name)))
-        for name in ("ignore_eos", "use_beam_search"):
+        for name in (
+            "ignore_eos",
+            "use_beam_search",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         set_("stop", (self.stop,) if isinstance(self.stop, str) else _as_tuple("stop", self.stop))
@@ -74,6 +84,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < 0:
             raise ValueError(
                 f"top_k must be 0 or -1 (off) or a positive integer, got {self.top_k!r}"

@@ -28,20 +28,20 @@ class Detokenizer:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._special = set(getattr(tokenizer, "all_special_ids", []) or [])
 
-    def new_stream(self) -> Any:
+    def new_stream(self, skip_special_tokens: bool = True) -> Any:
         if self._backend is None:
             return None
         from tokenizers.decoders import DecodeStream
 
-        return DecodeStream(skip_special_tokens=True)
+        return DecodeStream(skip_special_tokens=skip_special_tokens)
 
-    def step(self, stream: Any, token_ids: list[int]) -> str:
+    def step(self, stream: Any, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text added by the last of ``token_ids`` (the whole output so far)."""
         if stream is None:  # slow tokenizer: decode everything again
             return ""
-        if token_ids[-1] in self._special:
+        if skip_special_tokens and token_ids[-1] in self._special:
             return ""
         return stream.step(self._backend, token_ids[-1]) or ""
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

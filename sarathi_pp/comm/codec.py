@@ -165,6 +165,9 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "ignore_eos": BOOL,
             "logprobs": _optional(INT),
             "use_beam_search": BOOL,
+            "min_p": FLOAT,
+            "include_stop_str_in_output": BOOL,
+            "skip_special_tokens": BOOL,
         },
     ),
     ScheduledChunk: (

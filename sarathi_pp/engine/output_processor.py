@@ -36,7 +36,8 @@ class OutputProcessor:
         self._token_text: dict[int, str] = {}  # token id -> its text alone (logprobs)
 
     def add(self, seq: Sequence) -> None:
-        stream = self.detokenizer.new_stream() if self.detokenizer else None
+        skip = seq.params.skip_special_tokens
+        stream = self.detokenizer.new_stream(skip) if self.detokenizer else None
         state = _TextState(stream, list(seq.prompt_token_ids))
         if seq.params.logprobs is not None:
             state.logprobs = []
@@ -62,9 +63,10 @@ class OutputProcessor:
 
     def _new_text(self, seq: Sequence, state: _TextState) -> str:
         assert self.detokenizer is not None
+        skip = seq.params.skip_special_tokens
         if state.stream is not None:
-            return self.detokenizer.step(state.stream, seq.output_token_ids)
-        full = self.detokenizer.decode(seq.output_token_ids)
+            return self.detokenizer.step(state.stream, seq.output_token_ids, skip)
+        full = self.detokenizer.decode(seq.output_token_ids, skip)
         return full[len(state.text) :]
 
     def _stop_string(self, seq: Sequence, state: _TextState) -> str | None:
@@ -73,8 +75,9 @@ class OutputProcessor:
         tail_from = max(0, len(state.text) - longest - 16)
         for s in seq.params.stop:
             i = state.text.find(s, tail_from)
-            if i >= 0:
-                state.text = state.text[:i]  # as vLLM: the stop string is not in the output
+            if i >= 0:  # as vLLM: the stop string is cut, unless asked for
+                keep = len(s) if seq.params.include_stop_str_in_output else 0
+                state.text = state.text[: i + keep]
                 return s
         return None
 
@@ -92,7 +95,7 @@ class OutputProcessor:
             self._text.pop(seq.seq_id, None)
             if self.detokenizer is not None and not isinstance(seq.stop_reason, str):
                 # The stream holds back an incomplete UTF-8 tail; the final text has it all.
-                text = self.detokenizer.decode(seq.output_token_ids)
+                text = self.detokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
         completion = CompletionOutput(
             index=0,
             text=text,

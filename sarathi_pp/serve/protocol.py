@@ -164,6 +164,10 @@ def sampling_params(
             temperature=float(_get(body, "temperature", "number", 1.0)),
             top_p=float(_get(body, "top_p", "number", 1.0)),
             top_k=0 if top_k == -1 else top_k,  # vLLM spells "off" -1
+            # vLLM's extra parameters
+            min_p=float(_get(body, "min_p", "number", 0.0)),
+            include_stop_str_in_output=_get(body, "include_stop_str_in_output", "bool", False),
+            skip_special_tokens=_get(body, "skip_special_tokens", "bool", True),
             seed=_get(body, "seed", "int"),
             stop=_stop(body),
             ignore_eos=_get(body, "ignore_eos", "bool", False),

@@ -1,4 +1,4 @@
-"""Token sampling on the last stage: greedy, temperature, top-k, top-p, per-request seed.
+"""Token sampling on the last stage: greedy, temperature, min-p, top-k, top-p, per-request seed.
 
 Greedy rows are one batched argmax. Random rows are filtered and sampled in one batch; a
 request with a ``seed`` draws from its own generator keyed by (seed, output index), so its
@@ -64,6 +64,11 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     dev = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
     logits = logits / temperature
+    if any(p.min_p > 0 for p in params):  # as vLLM: after temperature, before top-k/top-p
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+        floor = min_p * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     top_k = torch.tensor([p.top_k or vocab for p in params], device=dev).unsqueeze(1)

@@ -116,6 +116,44 @@ def test_stop_string_is_cut_from_the_text(llm):
     assert out.outputs[0].text == text[: text.index(stop)]
 
 
+def test_include_stop_str_in_output_keeps_it(llm):
+    p = prompts(1, seed=5)[0]
+    base = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    text = llm.generate([p], base, use_tqdm=False)[0].outputs[0].text
+    stop = text[2:4]
+    kept = SamplingParams(
+        max_tokens=12, temperature=0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+    )
+    out = llm.generate([p], kept, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop) + len(stop)] and out.text.endswith(stop)
+
+
+def test_skip_special_tokens_false_keeps_their_text(llm):
+    """Special tokens' text is left out unless ``skip_special_tokens=False`` (as vLLM), in
+    the streamed text and the final one alike."""
+    from sarathi_pp.engine.output_processor import OutputProcessor
+    from sarathi_pp.sequence import Sequence
+
+    tokenizer = llm.get_tokenizer()
+    special = tokenizer.all_special_ids[0]
+    outputs = OutputProcessor(tokenizer, eos_token_ids=set(), max_model_len=128)
+    texts = {}
+    for skip in (True, False):
+        params = SamplingParams(max_tokens=3, skip_special_tokens=skip)
+        seq = Sequence(int(skip), "r", [72, 105], params, 0.0)
+        outputs.add(seq)
+        streamed = []
+        for token in (72, special, 105):
+            seq.append_token(token, 0.0)
+            outputs.check_stop(seq)
+            streamed.append(outputs.output(seq).outputs[0].text)
+        texts[skip] = streamed
+    special_text = tokenizer.decode([special])
+    assert special_text and texts[True][-1] == "Hi"
+    assert texts[False][-1] == "H" + special_text + "i"
+
+
 def test_eos_from_the_checkpoint_stops_unless_ignored(llama_dir, tmp_path):
     p = prompts(1, seed=7)[0]
     full, _ = hf_greedy(llama_dir, p, 10)

@@ -104,12 +104,22 @@ def test_a_bad_or_unsupported_field_is_a_400(field: dict) -> None:
         ({"n": 0}, "n"),
         ({"logprobs": 21}, "logprobs"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"min_p": 2}, "min_p"),
+        ({"skip_special_tokens": "no"}, "skip_special_tokens"),
     ],
 )
 def test_a_400_names_its_field_in_param(field: dict, param: str) -> None:
     with pytest.raises(ApiError) as e:
         completion_request({"prompt": "x", **field})
     assert e.value.param == param
+
+
+def test_vllm_extra_sampling_fields() -> None:
+    body = {"prompt": "x", "min_p": 0.1, "include_stop_str_in_output": True}
+    p = completion_request({**body, "skip_special_tokens": False}).params
+    assert (p.min_p, p.include_stop_str_in_output, p.skip_special_tokens) == (0.1, True, False)
+    p = completion_request({"prompt": "x"}).params
+    assert (p.min_p, p.include_stop_str_in_output, p.skip_special_tokens) == (0.0, False, True)
 
 
 def test_chat_logprobs_fields() -> None:

@@ -37,6 +37,9 @@ sampling_params = st.builds(
     ignore_eos=st.booleans(),
     n=st.integers(1, 8),
     logprobs=st.one_of(st.none(), st.integers(0, 20)),
+    min_p=st.floats(0.0, 1.0),
+    include_stop_str_in_output=st.booleans(),
+    skip_special_tokens=st.booleans(),
 )
 
 
@@ -192,7 +195,14 @@ CHUNK = [1, 0, [5, 6], True, [0], None, 1, -1]  # a valid ScheduledChunk's field
                 [
                     "microbatch",
                     1,
-                    [[*CHUNK[:5], [1, 0.5, 1, 0, None, 0, [], [], False, None, False], 0, -1]],
+                    [
+                        [
+                            *CHUNK[:5],
+                            [1, 0.5, 1, 0, None, 0, [], [], False, None, False, 0.0, False, True],
+                            0,
+                            -1,
+                        ]
+                    ],
                 ]
             ),
             "max_tokens must be an integer >= 1",  # SamplingParams' own validation

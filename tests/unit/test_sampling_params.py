@@ -35,6 +35,8 @@ def test_normalisation():
         (dict(logprobs=-1), r"logprobs must be None or an integer in \[0, 20\], got -1"),
         (dict(logprobs=21), "logprobs.*21"),
         (dict(use_beam_search=True), "beam search"),
+        (dict(min_p=1.5), r"min_p must be in \[0, 1\], got 1.5"),
+        (dict(min_p=-0.1), "min_p"),
         (dict(seed="x"), "seed.*'x'"),
         (dict(stop=[""]), "stop strings"),
         (dict(stop_token_ids=[-1]), "stop_token_ids.*-1"),
