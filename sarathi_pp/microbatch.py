@@ -31,6 +31,10 @@ class ScheduledChunk:
     # being sampled by micro-batch ``ring_from`` (``token_ids == (RING_TOKEN,)``); stage 0
     # fills it in from that micro-batch's result (``fill_ring``) before running. -1: known.
     ring_from: int = -1
+    # Penalized sampling (``SamplingParams.has_penalties``): on the prefill chunk that
+    # samples, the sequence's tokens before ``start``, so the last stage knows the whole
+    # sequence from then on (it adds each token it samples; ``stages/penalties.py``).
+    history: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +59,8 @@ class ScheduledChunk:
 class MicroBatch:
     microbatch_id: int
     chunks: tuple[ScheduledChunk, ...]
+    # Penalized sequences finished since the last micro-batch: the last stage forgets them.
+    released: tuple[int, ...] = ()
     # Counted once here: the engine, its records and the simulator's cost model ask often.
     num_prefill_tokens: int = field(init=False, repr=False, compare=False)
     num_decode_tokens: int = field(init=False, repr=False, compare=False)
@@ -119,7 +125,7 @@ def fill_ring(microbatch: MicroBatch, sampled: dict[int, dict[int, int]]) -> Mic
         else c
         for c in microbatch.chunks
     )
-    return MicroBatch(microbatch.microbatch_id, chunks)
+    return MicroBatch(microbatch.microbatch_id, chunks, microbatch.released)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +165,7 @@ def retry_one_at_a_time(
     retries' are left out."""
     result = StepResult(events=failed.events)
     for chunk in microbatch.chunks:
-        r = run(MicroBatch(microbatch.microbatch_id, (chunk,)))
+        r = run(MicroBatch(microbatch.microbatch_id, (chunk,), microbatch.released))
         if r.failure is not None:
             result.errors[chunk.seq_id] = r.failure
         else:
@@ -173,4 +179,4 @@ def without_failed(microbatch: MicroBatch, result: StepResult) -> MicroBatch:
     """``microbatch`` (same id) less the sequences ``result`` failed: a micro-batch that
     was behind a retried one goes again without them."""
     kept = tuple(c for c in microbatch.chunks if c.seq_id not in result.errors)
-    return MicroBatch(microbatch.microbatch_id, kept)
+    return MicroBatch(microbatch.microbatch_id, kept, microbatch.released)

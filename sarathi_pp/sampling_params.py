@@ -17,7 +17,11 @@ class SamplingParams:
 
     Defaults follow vLLM: ``temperature=1.0``, ``top_p=1.0``, ``top_k=0`` (off; ``-1`` is
     accepted as "off" too), ``min_p=0.0`` (off), ``max_tokens=16``. ``temperature=0`` means
-    greedy. ``n``: completions per prompt (``engine/parallel_sampling.py``); ``logprobs``:
+    greedy. The penalties are vLLM's (and OpenAI's): ``presence_penalty`` and
+    ``frequency_penalty`` (-2 to 2) lower the logits of tokens already generated, once or
+    per occurrence; ``repetition_penalty`` (> 0, 1 = off) divides the positive logits of
+    every token of the prompt and the output (multiplies the negative), as Hugging Face's.
+    ``n``: completions per prompt (``engine/parallel_sampling.py``); ``logprobs``:
     the log-probabilities of each sampled token and of the ``logprobs`` most likely.
 
     Checked at construction (``ValueError`` naming the field and the value): integer fields
@@ -39,6 +43,9 @@ class SamplingParams:
     min_p: float = 0.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         # Normalise so the value stays hashable and immutable, with plain Python types
@@ -49,7 +56,10 @@ class SamplingParams:
         for name in ("seed", "logprobs"):
             value = getattr(self, name)
             set_(name, None if value is None else _as_int(name, value, "an integer or None"))
-        for name in ("temperature", "top_p", "min_p"):
+        for name in (
+            "temperature", "top_p", "min_p",
+            "presence_penalty", "frequency_penalty", "repetition_penalty",
+        ):  # fmt: skip
             set_(name, _as_finite(name, getattr(self, name)))
         for name in (
             "ignore_eos",
@@ -86,6 +96,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.top_k < 0:
             raise ValueError(
                 f"top_k must be 0 or -1 (off) or a positive integer, got {self.top_k!r}"
@@ -96,6 +111,15 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the last stage must know the sequence's tokens to sample it."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def is_greedy(self) -> bool:

@@ -57,6 +57,16 @@ def add_parser(subparsers: Any) -> None:
     )
     g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="default: 1 (off)")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="default: 0 (off)")
+    g.add_argument("--min-p", type=float, default=0.0, metavar="P", help="default: 0 (off)")
+    g.add_argument(
+        "--presence-penalty", type=float, default=0.0, metavar="X", help="-2..2, default: 0"
+    )
+    g.add_argument(
+        "--frequency-penalty", type=float, default=0.0, metavar="X", help="-2..2, default: 0"
+    )
+    g.add_argument(
+        "--repetition-penalty", type=float, default=1.0, metavar="X", help="> 0, default: 1 (off)"
+    )
     g.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     g.add_argument(
         "--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)"
@@ -98,6 +108,10 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
         ignore_eos=args.ignore_eos,
         stop=tuple(args.stop),
         n=args.num_completions,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
         logprobs=args.logprobs,
     )
 

@@ -168,6 +168,9 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "min_p": FLOAT,
             "include_stop_str_in_output": BOOL,
             "skip_special_tokens": BOOL,
+            "presence_penalty": FLOAT,
+            "frequency_penalty": FLOAT,
+            "repetition_penalty": FLOAT,
         },
     ),
     ScheduledChunk: (
@@ -181,11 +184,12 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "sampling_params": _optional(_record(SamplingParams)),
             "num_output_tokens": INT,
             "ring_from": INT,
+            "history": INTS,
         },
     ),
     MicroBatch: (
         "microbatch",
-        {"microbatch_id": INT, "chunks": _records(ScheduledChunk, tuple)},
+        {"microbatch_id": INT, "chunks": _records(ScheduledChunk, tuple), "released": INTS},
     ),
     StageEvent: (
         "stage_event",

@@ -86,6 +86,7 @@ class Scheduler(ABC):
         self.num_preemptions = 0
         self._ring_upto = -1  # the newest micro-batch whose tokens may be used ahead
         self._ahead: set[int] = set()  # sequences offered a decode ahead in this schedule()
+        self._released: list[int] = []  # penalized sequences freed: the next micro-batch says
         self.tuner: ChunkTuner | None = None  # set for ``chunk_size: auto``
         # Policies that run whole prompts ignore chunk_size, "auto" included (README:
         # settings a policy does not use are accepted, so one config serves every policy).
@@ -197,7 +198,8 @@ class Scheduler(ABC):
     def _release_if_idle(self, seq: Sequence) -> None:
         if seq.is_finished and seq.num_inflight == 0:
             self.block_manager.free(seq)
-            self.seqs.pop(seq.seq_id, None)
+            if self.seqs.pop(seq.seq_id, None) is not None and seq.params.has_penalties:
+                self._released.append(seq.seq_id)
 
     # --- scheduling ----------------------------------------------------------------------
     def schedule(self, now: float, ring_upto: int = -1) -> MicroBatch | None:
@@ -396,7 +398,8 @@ class Scheduler(ABC):
         chunks = []
         for seq, n in prefills + decodes:  # layout: prefill rows first, then decode rows
             chunks.append(self._issue(seq, n))
-        microbatch = MicroBatch(self._next_microbatch_id, tuple(chunks))
+        microbatch = MicroBatch(self._next_microbatch_id, tuple(chunks), tuple(self._released))
+        self._released.clear()
         self._next_microbatch_id += 1
         return microbatch
 
@@ -417,8 +420,11 @@ class Scheduler(ABC):
         seq.num_inflight += 1
         seq.last_scheduled_step = self._step
         reaches_end = seq.num_scheduled_tokens >= seq.num_tokens
+        history: tuple[int, ...] = ()
         if reaches_end:
             seq.sampling_microbatch = self._next_microbatch_id
+            if is_prefill and seq.params.has_penalties:  # stages/penalties.py
+                history = tuple(seq.token_ids[:start])
         return ScheduledChunk(
             seq_id=seq.seq_id,
             start=start,
@@ -428,4 +434,5 @@ class Scheduler(ABC):
             sampling_params=seq.params if reaches_end else None,
             num_output_tokens=num_output_tokens,
             ring_from=ring_from,
+            history=history,
         )

@@ -21,8 +21,6 @@ DEFAULT_MAX_TOKENS = 16
 # predicate), refused with a 400 otherwise.
 _UNSUPPORTED: dict[str, Any] = {
     "best_of": lambda v: v == 1 and not isinstance(v, bool),
-    "presence_penalty": lambda v: v == 0 and not isinstance(v, bool),
-    "frequency_penalty": lambda v: v == 0 and not isinstance(v, bool),
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
     "logit_bias": lambda v: v == {},
@@ -165,6 +163,9 @@ def sampling_params(
             top_p=float(_get(body, "top_p", "number", 1.0)),
             top_k=0 if top_k == -1 else top_k,  # vLLM spells "off" -1
             # vLLM's extra parameters
+            presence_penalty=float(_get(body, "presence_penalty", "number", 0.0)),
+            frequency_penalty=float(_get(body, "frequency_penalty", "number", 0.0)),
+            repetition_penalty=float(_get(body, "repetition_penalty", "number", 1.0)),
             min_p=float(_get(body, "min_p", "number", 0.0)),
             include_stop_str_in_output=_get(body, "include_stop_str_in_output", "bool", False),
             skip_special_tokens=_get(body, "skip_special_tokens", "bool", True),

@@ -20,6 +20,7 @@ from sarathi_pp.stages.attention import ATTENTION_BACKENDS, select_backend
 from sarathi_pp.stages.kv_cache import KVCache
 from sarathi_pp.stages.metadata import build_metadata, sample_rows
 from sarathi_pp.stages.model import StageModel
+from sarathi_pp.stages.penalties import PenaltyState, apply_penalties
 from sarathi_pp.stages.sampler import INVALID_TOKEN, logprobs, sample
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -72,6 +73,7 @@ class StageWorker:
         self.model: StageModel | None = None
         self.kv: KVCache | None = None
         self.backend = "torch"
+        self.penalties = PenaltyState()  # the last stage's: penalized sequences' tokens
 
     # --- set-up, in two steps: weights first, then the KV cache sized from what is left ---
     def load_model(self) -> int:
@@ -143,17 +145,41 @@ class StageWorker:
         if asked for), or its failure (non-finite logits: that request fails alone)."""
         rows = sample_rows(microbatch)
         result = StepResult()
+        self.penalties.release(microbatch)
         if not rows:
             return result
         chunks = [c for c in microbatch.chunks if c.do_sample]
         logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
         params = [c.sampling_params for c in chunks]
-        tokens = sample(logits, params, [c.num_output_tokens for c in chunks])
+        sampling_logits, penalized = self._penalized(logits, chunks, result)
+        tokens = sample(sampling_logits, params, [c.num_output_tokens for c in chunks])
+        for i in penalized:
+            self.penalties.sampled(chunks[i], tokens[i])
         for i, lp in logprobs(logits, params, tokens).items():
             result.logprobs[chunks[i].seq_id] = lp
         for chunk, token in zip(chunks, tokens):
+            if chunk.seq_id in result.errors:
+                continue
             if token == INVALID_TOKEN:
                 result.errors[chunk.seq_id] = "the model produced non-finite logits"
             else:
                 result.sampled[chunk.seq_id] = token
         return result
+
+    def _penalized(
+        self, logits: torch.Tensor, chunks: list, result: StepResult
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The logits to sample from (penalized where asked; ``stages/penalties.py``) and
+        the rows penalized. A row whose tokens the stage lacks fails its request."""
+        rows, histories = [], []
+        for i, c in enumerate(chunks):
+            if not c.sampling_params.has_penalties:
+                continue
+            try:
+                histories.append(self.penalties.before_sampling(c))
+                rows.append(i)
+            except ValueError as e:
+                result.errors[c.seq_id] = str(e)
+        if not rows:
+            return logits, rows
+        return apply_penalties(logits, rows, histories, [chunks[i] for i in rows]), rows

@@ -216,14 +216,16 @@ def test_pp2_logprobs_and_n_equal_pp1(pp2, llama_dir):
     assert ours[0].outputs[0].token_ids != ours[0].outputs[1].token_ids
 
 
-def test_torchrun_logprobs_and_n_equal_pp1(llama_dir, tmp_path):
-    """The same over torchrun's control plane (the codec carries the log-probabilities)."""
+def test_torchrun_logprobs_n_and_penalties_equal_pp1(llama_dir, tmp_path):
+    """The same over torchrun's control plane (the codec carries the log-probabilities, and
+    the penalized sequences' history and releases)."""
     prompts = ["Hello", "The pipeline has two stages"]
     out = tmp_path / "out.jsonl"
     cmd = torchrun_command(
         llama_dir, "--pipeline-parallel-size", "2", "--max-tokens", "6", "--ignore-eos",
         "--output", str(out), "--temperature", "0.8", "--seed", "4", "--num-completions", "2",
-        "--logprobs", "2", "--set", "model.max_model_len=256",
+        "--logprobs", "2", "--repetition-penalty", "1.4", "--frequency-penalty", "0.5",
+        "--set", "model.max_model_len=256",
         "--set", "parallel.stage_timeout_s=60", *(a for p in prompts for a in ("--prompt", p)),
     )  # fmt: skip
     proc = subprocess.run(
@@ -234,7 +236,15 @@ def test_torchrun_logprobs_and_n_equal_pp1(llama_dir, tmp_path):
     with LLM(str(llama_dir), max_model_len=256, seed=4) as pp1:
         ref = pp1.generate(
             prompts,
-            SamplingParams(max_tokens=6, temperature=0.8, ignore_eos=True, n=2, logprobs=2),
+            SamplingParams(
+                max_tokens=6,
+                temperature=0.8,
+                ignore_eos=True,
+                n=2,
+                logprobs=2,
+                repetition_penalty=1.4,
+                frequency_penalty=0.5,
+            ),  # fmt: skip
             use_tqdm=False,
         )
     for record, r in zip(records, ref, strict=True):

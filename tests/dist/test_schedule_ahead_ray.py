@@ -58,3 +58,26 @@ def test_ahead_run_dir_names_ring_sources_and_the_report_the_ring(ray_cluster, l
     summary = write_report(run, plot=False)
     classes = summary["overall"]["bubbles_s"]
     assert classes["ring"] > 0
+
+
+def test_ahead_with_penalties_equals_one_stage(ray_cluster, llama_dir):
+    """Penalized decodes scheduled ahead: the last stage knows their input token (it sampled
+    it), though its copy of the micro-batch holds the ring's placeholder."""
+    from sarathi_pp import SamplingParams
+
+    prompts = make_prompts(seed=21)
+    params = SamplingParams(
+        max_tokens=10, temperature=0.0, ignore_eos=True, repetition_penalty=1.5,
+        frequency_penalty=0.5, logprobs=1,
+    )  # fmt: skip
+    with LLM(str(llama_dir), **KW, chunk_size=16, tile_align=False) as one:
+        ref = one.generate(prompts, params, use_tqdm=False)
+    with LLM(
+        str(llama_dir), **KW, pipeline_parallel_size=2, schedule_ahead=True, chunk_size=16,
+        tile_align=False,
+    ) as llm:  # fmt: skip
+        ahead = record_ahead(llm.engine)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert sum(ahead) >= 5, ahead
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 from helpers import _hf_model
-from test_vs_hf import make_prompts
+from test_vs_hf import make_prompts, preempting_run
 
 from sarathi_pp import LLM, SamplingParams
 
@@ -117,14 +117,8 @@ def test_logprobs_zero_gives_the_sampled_token_alone_with_its_text(llama_dir):
 
 def test_logprobs_survive_preemption(llama_dir):
     """Recomputed tokens are not sampled again: each token keeps the one entry it got."""
-    prompts = make_prompts(seed=3, lens=(40, 41, 42, 43))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
-    with LLM(
-        str(llama_dir), chunk_size=24, block_size=4, num_kv_blocks=44, max_model_len=176,
-        dtype="float32",
-    ) as llm:  # fmt: skip
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.engine.scheduler.num_preemptions > 0
+    prompts, outs = preempting_run(llama_dir, params)
     for prompt, out in zip(prompts, outs):
         check_against_hf(llama_dir, prompt, out.outputs[0], 2)
 

@@ -29,6 +29,21 @@ def check_against_hf(model_dir, outputs, prompts) -> None:
         assert_greedy_match(out.outputs[0].token_ids, ref, margins)
 
 
+# Four prompts of ~40 tokens fit in 44 blocks of 4 tokens, but not once each has grown by
+# 12 tokens (13-14 blocks each): decodes must preempt.
+PREEMPTING = dict(chunk_size=24, block_size=4, num_kv_blocks=44, max_model_len=176)
+
+
+def preempting_run(model_dir, params):
+    """``make_prompts(seed=3)``'s four ~40-token prompts on a cache that forces preemption:
+    the prompts and their outputs (``num_preemptions > 0`` checked)."""
+    prompts = make_prompts(seed=3, lens=(40, 41, 42, 43))
+    with LLM(str(model_dir), dtype="float32", **PREEMPTING) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+    return prompts, outs
+
+
 def run(model_dir, prompts, **kwargs):
     kwargs.setdefault("max_model_len", 256)
     llm = LLM(str(model_dir), dtype="float32", **kwargs)

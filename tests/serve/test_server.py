@@ -202,6 +202,17 @@ def test_completion_logprobs_equal_llm_generate(client, reference) -> None:
     assert plain.choices[0].logprobs is None
 
 
+def test_penalties_equal_llm_generate(client, reference) -> None:
+    penalties = {"presence_penalty": 0.7, "frequency_penalty": 0.4, "repetition_penalty": 1.3}
+    r = client.completions.create(
+        model=MODEL, prompt="Hello world", max_tokens=10, extra_body=penalties, **GREEDY
+    )
+    params = SamplingParams(max_tokens=10, temperature=0.0, **penalties)
+    (ref,) = reference.generate(["Hello world"], params, use_tqdm=False)
+    plain = _reference_text(reference, "Hello world", 10)
+    assert r.choices[0].text == ref.outputs[0].text != plain
+
+
 def test_chat_logprobs_and_top_logprobs(client) -> None:
     messages = [{"role": "user", "content": "hi there"}]
     r = client.chat.completions.create(
@@ -344,7 +355,7 @@ def test_disconnect_while_waiting_for_a_whole_answer_aborts_it(server, monkeypat
         ({"prompt": "x", "n": 0}, "'n'"),
         ({"prompt": ["a", "b"], "n": 40}, "prompts x n"),
         ({"prompt": "x", "logprobs": 30}, "'logprobs'"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
         ({"prompt": "x" * 600}, "max_model_len"),  # past max_position_embeddings
         (b"{not json", "JSON"),
     ],

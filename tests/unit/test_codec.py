@@ -40,6 +40,9 @@ sampling_params = st.builds(
     min_p=st.floats(0.0, 1.0),
     include_stop_str_in_output=st.booleans(),
     skip_special_tokens=st.booleans(),
+    presence_penalty=st.floats(-2.0, 2.0),
+    frequency_penalty=st.floats(-2.0, 2.0),
+    repetition_penalty=st.floats(0.01, 10.0),
 )
 
 
@@ -53,14 +56,18 @@ def chunks(is_prefill: bool) -> st.SearchStrategy[ScheduledChunk]:
         block_table=st.lists(IDS, max_size=40).map(tuple),
         sampling_params=st.one_of(st.none(), sampling_params),
         num_output_tokens=st.integers(0, 4096),
+        history=st.lists(IDS, max_size=20).map(tuple),
     )
 
 
 microbatches = st.builds(
-    lambda mb_id, prefills, decodes: MicroBatch(mb_id, tuple(prefills + decodes)),
+    lambda mb_id, prefills, decodes, released: MicroBatch(
+        mb_id, tuple(prefills + decodes), tuple(released)
+    ),
     IDS,
     st.lists(chunks(True), max_size=3),
     st.lists(chunks(False), max_size=5),
+    st.lists(IDS, max_size=4),
 )
 stage_events = st.builds(
     StageEvent,
@@ -157,7 +164,7 @@ def _packed(value) -> bytes:
     return msgpack.packb([WIRE_VERSION, value], use_bin_type=True)
 
 
-CHUNK = [1, 0, [5, 6], True, [0], None, 1, -1]  # a valid ScheduledChunk's fields
+CHUNK = [1, 0, [5, 6], True, [0], None, 1, -1, []]  # a valid ScheduledChunk's fields
 
 
 @pytest.mark.parametrize(
@@ -172,23 +179,30 @@ CHUNK = [1, 0, [5, 6], True, [0], None, 1, -1]  # a valid ScheduledChunk's field
         (_packed(["builtins.eval", "1"]), "unknown tag 'builtins.eval'"),
         (_packed(b"raw bytes"), "expected a value, got bytes"),
         (_packed(msgpack.ExtType(1, b"x")), "expected a value, got ExtType"),
-        (_packed(["microbatch", 1]), "microbatch: expected the 2 fields of a MicroBatch, got 1"),
-        (_packed(["microbatch", 1, [CHUNK[:3]]]), "microbatch.chunks[0]: expected the 8 fields"),
+        (_packed(["microbatch", 1]), "microbatch: expected the 3 fields of a MicroBatch, got 1"),
         (
-            _packed(["microbatch", 1, [[1, 0, [5, "6"], True, [0], None, 1, -1]]]),
+            _packed(["microbatch", 1, [CHUNK[:3]], []]),
+            "microbatch.chunks[0]: expected the 9 fields",
+        ),
+        (
+            _packed(["microbatch", 1, [[1, 0, [5, "6"], True, [0], None, 1, -1, []]], []]),
             "microbatch.chunks[0].token_ids: expected int items, got str",
         ),
         (
-            _packed(["microbatch", 1, [[1, 0, [5], 1, [0], None, 1, -1]]]),
+            _packed(["microbatch", 1, [[1, 0, [5], 1, [0], None, 1, -1, []]], []]),
             "microbatch.chunks[0].is_prefill: expected bool, got int",
         ),
         (
-            _packed(["microbatch", True, [CHUNK]]),
+            _packed(["microbatch", True, [CHUNK], []]),
             "microbatch.microbatch_id: expected int, got bool",
         ),
         (
-            _packed(["microbatch", 1, [[*CHUNK[:3], False, *CHUNK[4:]], CHUNK]]),
+            _packed(["microbatch", 1, [[*CHUNK[:3], False, *CHUNK[4:]], CHUNK], []]),
             "prefill chunk after a decode",  # MicroBatch's own layout check
+        ),
+        (
+            _packed(["microbatch", 1, [CHUNK], [1.5]]),
+            "microbatch.released: expected int items, got float",
         ),
         (
             _packed(
@@ -198,11 +212,14 @@ CHUNK = [1, 0, [5, 6], True, [0], None, 1, -1]  # a valid ScheduledChunk's field
                     [
                         [
                             *CHUNK[:5],
-                            [1, 0.5, 1, 0, None, 0, [], [], False, None, False, 0.0, False, True],
+                            [1, 0.5, 1, 0, None, 0, [], [], False, None, False, 0.0, False, True]
+                            + [0.0, 0.0, 1.0],
                             0,
                             -1,
+                            [],
                         ]
                     ],
+                    [],
                 ]
             ),
             "max_tokens must be an integer >= 1",  # SamplingParams' own validation
