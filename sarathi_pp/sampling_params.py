@@ -88,6 +88,8 @@ class SamplingParams:
             )
         if self.use_beam_search:
             raise ValueError("beam search is not supported")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.temperature < 0:

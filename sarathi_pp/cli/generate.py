@@ -99,7 +99,25 @@ def add_parser(subparsers: Any) -> None:
 
 
 # --- pieces that need no model --------------------------------------------------------------
+# SamplingParams' field -> the flag that sets it (its errors name the field first)
+SAMPLING_FLAGS = {
+    "max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+    "top_k": "--top-k", "stop": "--stop", "n": "--num-completions", "min_p": "--min-p",
+    "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+    "repetition_penalty": "--repetition-penalty", "logprobs": "--logprobs",
+}  # fmt: skip
+
+
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    """``SamplingParams`` from the flags; a ``ValueError`` names the flag."""
+    try:
+        return _sampling_params(args)
+    except ValueError as e:
+        flag = SAMPLING_FLAGS.get(str(e).split(" ", 1)[0])
+        raise ValueError(f"{flag}: {e}" if flag else str(e)) from None
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

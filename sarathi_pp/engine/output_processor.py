@@ -53,8 +53,10 @@ class OutputProcessor:
         state = self._text[seq.seq_id]
         if self.detokenizer is not None:
             state.text += self._new_text(seq, state)
-        if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
+        if token in p.stop_token_ids:
             return SequenceStatus.FINISHED_STOPPED, token
+        if not p.ignore_eos and token in self.eos_token_ids:  # as vLLM: no stop_reason
+            return SequenceStatus.FINISHED_STOPPED, None
         if p.stop and (hit := self._stop_string(seq, state)) is not None:
             return SequenceStatus.FINISHED_STOPPED, hit
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -121,9 +121,12 @@ class _Routes:
 
         def add(engine: Any) -> None:  # every prompt or none: one bad prompt fails the request
             added: list[str] = []
+            tokens = [
+                _prompt_tokens(engine, req, i, prompt) for i, prompt in enumerate(req.prompts)
+            ]
             try:
-                for rid, params, prompt, _ in children:
-                    engine.add_request(rid, prompt.text, params, prompt.token_ids)
+                for rid, params, _, i in children:
+                    engine.add_request(rid, req.prompts[i].text, params, tokens[i])
                     added.append(rid)
             except BaseException:
                 for rid in added:
@@ -141,6 +144,7 @@ class _Routes:
 
         def add(engine: Any) -> None:  # on the engine thread: it owns the tokenizer
             prompt, token_ids = render_chat(engine, messages)
+            p.check_room(len(token_ids), req.max_tokens, engine.max_model_len, "messages")
             added: list[str] = []
             try:
                 for rid, params in children:
@@ -178,7 +182,7 @@ class _Routes:
         try:
             await asyncio.wrap_future(self.engine_loop.add(choices.ids, sink, add))
         except (ValueError, TypeError) as e:
-            raise p.bad_request(str(e)) from None
+            raise p.bad_request(str(e), getattr(e, "param", None)) from None
         except QueueFullError as e:
             raise ApiError(429, str(e), "rate_limit_exceeded", code="queue_full") from None
         except (EngineDeadError, EngineFailure) as e:
@@ -370,6 +374,20 @@ class _Reader:
                     return get.result()
         finally:
             get.cancel()
+
+
+def _prompt_tokens(engine: Any, req: GenerateRequest, index: int, prompt: Any) -> list[int]:
+    """Prompt ``index``'s token ids, checked before any prompt of the request is added:
+    ids the model has, and room for an explicit ``max_tokens`` (400s naming ``prompt`` or
+    ``max_tokens``)."""
+    where = f"'prompt[{index}]'" if len(req.prompts) > 1 else "'prompt'"
+    try:
+        tokens = prompt.token_ids if prompt.token_ids is not None else engine.tokenize(prompt.text)
+        engine.validate_prompt(tokens, where)
+    except ValueError as e:
+        raise p.ParamError(str(e), "prompt") from None
+    p.check_room(len(tokens), req.max_tokens, engine.max_model_len, where)
+    return list(tokens)
 
 
 def _checked(item: Any) -> Any:

@@ -22,6 +22,7 @@ DEFAULT_MAX_TOKENS = 16
 _UNSUPPORTED: dict[str, Any] = {
     "best_of": lambda v: v == 1 and not isinstance(v, bool),
     "echo": lambda v: v is False,
+    "prompt_logprobs": lambda v: False,  # only null: the last stage computes no prompt logits
     "suffix": lambda v: v == "",
     "logit_bias": lambda v: v == {},
     "tools": lambda v: v == [],
@@ -64,6 +65,30 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+class ParamError(ValueError):
+    """A request's value the engine thread refuses (a 400 naming ``param``): raised where
+    the prompt's tokens are known."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_room(
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, where: str = "prompt"
+) -> None:
+    """OpenAI's and vLLM's answer to a ``max_tokens`` the context cannot hold: a 400, not a
+    request that runs to ``max_model_len``. ``max_tokens=None``: not given (the default
+    stops at ``max_model_len`` like any request)."""
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise ParamError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"{where}, {max_tokens} in the completion): reduce max_tokens",
+            "max_tokens",
+        )
+
+
 @dataclass(frozen=True)
 class Prompt:
     """One prompt of a completion request: text, or token ids."""
@@ -83,6 +108,7 @@ class GenerateRequest:
     include_usage: bool
     prompts: tuple[Prompt, ...] = ()
     messages: list[dict[str, Any]] | None = None
+    max_tokens: int | None = None  # as given (None: the default, 16)
 
 
 # Prompts in one completion request at most, and choices (prompts x ``n``: each its own
@@ -207,11 +233,14 @@ def _common(body: Any, max_tokens_keys: tuple[str, ...], chat: bool) -> dict[str
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise bad_request("'stream_options.include_usage' must be a bool", "stream_options")
+    params = sampling_params(body, max_tokens_keys, _logprobs(body, chat))
+    given = any(body.get(key) is not None for key in max_tokens_keys)
     return {
         "model": _get(body, "model", "str"),
-        "params": sampling_params(body, max_tokens_keys, _logprobs(body, chat)),
+        "params": params,
         "stream": stream,
         "include_usage": stream and include_usage,
+        "max_tokens": params.max_tokens if given else None,
     }
 
 

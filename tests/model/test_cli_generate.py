@@ -160,8 +160,13 @@ def test_num_completions_and_logprobs(llama_dir, tmp_path, capsys):
 @pytest.mark.parametrize(
     "flags, says",
     [
-        (["--num-completions", "0"], "n must be an integer >= 1, got 0"),
-        (["--logprobs", "21"], "logprobs must be None or an integer in [0, 20], got 21"),
+        (["--num-completions", "0"], "--num-completions: n must be an integer >= 1, got 0"),
+        (
+            ["--logprobs", "21"],
+            "--logprobs: logprobs must be None or an integer in [0, 20], got 21",
+        ),
+        (["--repetition-penalty", "0"], "--repetition-penalty: repetition_penalty must be > 0"),
+        (["--min-p", "2"], "--min-p: min_p must be in [0, 1], got 2.0"),
     ],
 )
 def test_bad_sampling_flags_are_usage_errors(llama_dir, capsys, flags, says):

@@ -166,6 +166,10 @@ def test_eos_from_the_checkpoint_stops_unless_ignored(llama_dir, tmp_path):
     llm = LLM(str(model), max_model_len=128)
     out = llm.generate([p], SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)[0]
     assert ids(out) == full[: full.index(eos) + 1] and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].stop_reason is None  # as vLLM: EOS is no stop token of the request
+    as_stop_token = SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[eos])
+    out = llm.generate([p], as_stop_token, use_tqdm=False)[0]
+    assert out.outputs[0].stop_reason == eos
     out = llm.generate(
         [p], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False
     )[0]

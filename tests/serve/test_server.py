@@ -367,6 +367,26 @@ def test_bad_request_is_a_400_naming_it(server, body, word: str) -> None:
     assert word in error["message"] and error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    "path, body, param, word",
+    [
+        ("/v1/completions", {"prompt": "x" * 500, "max_tokens": 100}, "max_tokens", "context length"),
+        ("/v1/completions", {"prompt": ["a", "b" * 510], "max_tokens": 5}, "max_tokens", "in the 'prompt[1]', 5 in the completion"),
+        ("/v1/completions", {"prompt": ["a", [10**9]]}, "prompt", "'prompt[1]' has token ids outside"),
+        ("/v1/completions", {"prompt": "x" * 600}, "prompt", "more than max_model_len"),
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6},
+         "max_tokens", "context length"),
+        ("/v1/completions", {"prompt": "x", "seed": 2**70}, "seed", "64-bit"),
+    ],
+)  # fmt: skip
+def test_a_400_names_its_param(server, path: str, body: dict, param: str, word: str) -> None:
+    r = _post(server, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and word in error["message"], error
+
+
 def test_bad_requests_through_the_client(client) -> None:
     with pytest.raises(openai.BadRequestError, match="'n'"):
         client.completions.create(model=MODEL, prompt="x", n=0)
