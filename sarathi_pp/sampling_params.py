@@ -46,12 +46,16 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    # token id -> a number added to its logit (-100..100, OpenAI's); given as a dict, kept
+    # as sorted (id, bias) pairs so the value stays hashable
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Normalise so the value stays hashable and immutable, with plain Python types
         # (numpy scalars would otherwise travel to the stages and into the outputs).
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        for name in ("n", "top_k", "max_tokens"):
+        for name in ("n", "top_k", "max_tokens", "min_tokens"):
             set_(name, _as_int(name, getattr(self, name)))
         for name in ("seed", "logprobs"):
             value = getattr(self, name)
@@ -75,6 +79,7 @@ class SamplingParams:
             "stop_token_ids",
             tuple(_as_int("stop_token_ids", t, "non-negative integers") for t in ids),
         )
+        set_("logit_bias", _as_bias(self.logit_bias))
         if self.top_k == -1:
             set_("top_k", 0)
         self._validate()
@@ -92,6 +97,10 @@ class SamplingParams:
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -153,3 +162,23 @@ def _as_tuple(name: str, value: Any) -> tuple:
         return tuple(value)
     except TypeError:
         raise ValueError(f"{name} must be a list, got {value!r}") from None
+
+
+def _as_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted ``(token id, bias)`` pairs, from a dict or pairs."""
+    if isinstance(value, dict):
+        value = value.items()
+    pairs: dict[int, float] = {}
+    for item in _as_tuple("logit_bias", value):
+        try:
+            token, bias = item
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {item!r}") from None
+        token = _as_int("logit_bias", token, "a map from token ids (non-negative integers)")
+        bias = _as_finite("logit_bias", bias)
+        if token < 0 or not -100.0 <= bias <= 100.0:
+            raise ValueError(
+                f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {token}: {bias}"
+            )
+        pairs[token] = bias
+    return tuple(sorted(pairs.items()))

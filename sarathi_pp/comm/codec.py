@@ -121,6 +121,26 @@ def _pairs(key: Kind, value: Kind) -> Kind:
     return to, back
 
 
+def _bias() -> Kind:
+    """``SamplingParams.logit_bias``: ``((token id, bias), ...)`` <-> ``[[id, bias], ...]``."""
+
+    def to(v: Any) -> list:
+        if type(v) is not tuple:
+            raise CodecError(f"expected a tuple of (id, bias) pairs, got {_type_name(v)}")
+        return [
+            [_at(f"[{i}]", INT[0], t), _at(f"[{i}]", FLOAT[0], b)] for i, (t, b) in enumerate(v)
+        ]
+
+    def back(v: Any) -> tuple:
+        if type(v) is not list or not all(type(p) is list and len(p) == 2 for p in v):
+            raise CodecError(f"expected a list of [id, bias] pairs, got {_type_name(v)}")
+        return tuple(
+            (_at(f"[{i}]", INT[1], t), _at(f"[{i}]", FLOAT[1], b)) for i, (t, b) in enumerate(v)
+        )
+
+    return to, back
+
+
 def _record(cls: type) -> Kind:
     return (lambda v: _fields_to_plain(cls, v)), (lambda v: _fields_from_plain(cls, v))
 
@@ -171,6 +191,8 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "presence_penalty": FLOAT,
             "frequency_penalty": FLOAT,
             "repetition_penalty": FLOAT,
+            "min_tokens": INT,
+            "logit_bias": _bias(),
         },
     ),
     ScheduledChunk: (

@@ -31,6 +31,13 @@ class InputProcessor:
         # Distinct per request, the same for the same request order on a rerun.
         return dataclasses.replace(params, seed=(self.seed * 1_000_003 + index) % (2**63 - 1))
 
+    def check_params(self, params: SamplingParams, where: str) -> None:
+        """``ValueError`` naming ``where`` for token ids the model does not have."""
+        vocab = self.checkpoint.spec.vocab_size
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"{where}: logit_bias has token ids outside [0, {vocab}): {bad[:5]}")
+
     def eos_token_ids(self) -> set[int]:
         """The checkpoint's EOS ids and the tokenizer's."""
         ids = set(self.checkpoint.spec.eos_token_ids)

@@ -190,6 +190,7 @@ class LLMEngine(PipelineFaults):
         token_ids = self.inputs.request_tokens(request_id, prompt, params, prompt_token_ids)
         token_ids = as_token_ids(token_ids, where)  # plain ints, never True, to the scheduler
         self.validate_prompt(token_ids, where)
+        self.inputs.check_params(params, where)
         arrival = arrival_or_now(arrival_time, self.now())  # ValueError: not on our clock
         seq_id = next(self._seq_ids)
         params = self.inputs.seeded(params, seq_id)

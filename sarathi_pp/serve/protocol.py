@@ -24,7 +24,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "echo": lambda v: v is False,
     "prompt_logprobs": lambda v: False,  # only null: the last stage computes no prompt logits
     "suffix": lambda v: v == "",
-    "logit_bias": lambda v: v == {},
     "tools": lambda v: v == [],
     "functions": lambda v: v == [],
     "tool_choice": lambda v: v == "none",
@@ -193,6 +192,8 @@ def sampling_params(
             frequency_penalty=float(_get(body, "frequency_penalty", "number", 0.0)),
             repetition_penalty=float(_get(body, "repetition_penalty", "number", 1.0)),
             min_p=float(_get(body, "min_p", "number", 0.0)),
+            min_tokens=_get(body, "min_tokens", "int", 0),
+            logit_bias=_logit_bias(body),
             include_stop_str_in_output=_get(body, "include_stop_str_in_output", "bool", False),
             skip_special_tokens=_get(body, "skip_special_tokens", "bool", True),
             seed=_get(body, "seed", "int"),
@@ -203,6 +204,23 @@ def sampling_params(
         # SamplingParams' messages start with the field they are about
         name = str(e).split(" ", 1)[0].split("=", 1)[0]
         raise bad_request(str(e), name if name in body else None) from None
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token ids (as JSON object keys: strings) -> numbers."""
+    bias = _get(body, "logit_bias", "dict", {})
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(
+                f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias"
+            ) from None
+        if not _is_number(value):
+            raise bad_request(f"'logit_bias' values must be numbers, got {value!r}", "logit_bias")
+        out[token] = float(value)
+    return out
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> int | None:

@@ -35,6 +35,38 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_outputs: list
     return tokens.tolist()
 
 
+def processed_logits(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    num_outputs: list[int],
+    eos_token_ids: tuple[int, ...],
+) -> torch.Tensor:
+    """``logit_bias`` added, and the EOS and stop tokens ruled out while a row has fewer
+    than ``min_tokens`` outputs (vLLM's). ``logits`` itself when no row asks (else a copy:
+    log-probabilities are reported from the raw logits)."""
+    rows = [
+        i for i, p in enumerate(params)
+        if p.logit_bias or num_outputs[i] < p.min_tokens
+    ]  # fmt: skip
+    if not rows:
+        return logits
+    out = logits.clone()
+    vocab = logits.shape[-1]
+    for i in rows:
+        p = params[i]
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+            bias = torch.tensor([b for _, b in p.logit_bias], device=logits.device)
+            keep = ids < vocab  # checked by the engine; a stage never indexes past its vocab
+            out[i, ids[keep]] += bias[keep].to(out.dtype)
+        if num_outputs[i] < p.min_tokens:
+            stops = [t for t in (*eos_token_ids, *p.stop_token_ids) if t < vocab]
+            if stops:
+                # the lowest finite value: -inf would read as the model's own failure
+                out[i, torch.tensor(stops, device=logits.device)] = torch.finfo(out.dtype).min
+    return out
+
+
 def logprobs(
     logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
 ) -> dict[int, TokenLogprobs]:

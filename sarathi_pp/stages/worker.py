@@ -21,7 +21,7 @@ from sarathi_pp.stages.kv_cache import KVCache
 from sarathi_pp.stages.metadata import build_metadata, sample_rows
 from sarathi_pp.stages.model import StageModel
 from sarathi_pp.stages.penalties import PenaltyState, apply_penalties
-from sarathi_pp.stages.sampler import INVALID_TOKEN, logprobs, sample
+from sarathi_pp.stages.sampler import INVALID_TOKEN, logprobs, processed_logits, sample
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -151,8 +151,12 @@ class StageWorker:
         chunks = [c for c in microbatch.chunks if c.do_sample]
         logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
         params = [c.sampling_params for c in chunks]
+        num_outputs = [c.num_output_tokens for c in chunks]
         sampling_logits, penalized = self._penalized(logits, chunks, result)
-        tokens = sample(sampling_logits, params, [c.num_output_tokens for c in chunks])
+        sampling_logits = processed_logits(
+            sampling_logits, params, num_outputs, self.spec.eos_token_ids
+        )
+        tokens = sample(sampling_logits, params, num_outputs)
         for i in penalized:
             self.penalties.sampled(chunks[i], tokens[i])
         for i, lp in logprobs(logits, params, tokens).items():

@@ -176,6 +176,47 @@ def test_eos_from_the_checkpoint_stops_unless_ignored(llama_dir, tmp_path):
     assert ids(out) == full
 
 
+def test_min_tokens_rules_out_eos_until_reached(llama_dir, tmp_path):
+    p = prompts(1, seed=7)[0]
+    full, _ = hf_greedy(llama_dir, p, 10)
+    eos = full[3]
+    model = tmp_path / "m"
+    shutil.copytree(llama_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["eos_token_id"] = eos
+    (model / "config.json").write_text(json.dumps(cfg))
+    with LLM(str(model), max_model_len=128) as llm:
+        out = llm.generate(
+            [p], SamplingParams(max_tokens=10, temperature=0, min_tokens=6), use_tqdm=False
+        )[0]
+        # as a stop token too
+        stop = llm.generate(
+            [p], SamplingParams(max_tokens=10, temperature=0, min_tokens=6, stop_token_ids=[full[0]]),
+            use_tqdm=False,
+        )[0]  # fmt: skip
+    tokens = ids(out)
+    assert tokens[:3] == full[:3] and tokens[3] != eos  # EOS ruled out at output 4
+    assert len(tokens) >= 6 and eos not in tokens[:6]
+    assert full[0] not in ids(stop)[:6] and eos not in ids(stop)[:6]
+
+
+def test_logit_bias(llm, llama_dir):
+    p = prompts(1, seed=8)[0]
+    forced = llm.generate(
+        [p], SamplingParams(max_tokens=5, temperature=0, logit_bias={65: 100.0}), use_tqdm=False
+    )[0]
+    assert ids(forced) == [65] * 5
+    plain, _ = hf_greedy(llama_dir, p, 5)
+    banned = llm.generate(
+        [p], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logit_bias={plain[0]: -100}),
+        use_tqdm=False,
+    )[0]  # fmt: skip
+    assert ids(banned)[0] != plain[0]
+    with pytest.raises(ValueError, match=r"logit_bias has token ids outside \[0, 259\): \[999\]"):
+        llm.generate([p], SamplingParams(logit_bias={999: 1.0}), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_max_model_len_ends_with_length(llm):
     p = prompts(1, length=120)[0]
     out = llm.generate(

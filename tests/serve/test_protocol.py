@@ -86,7 +86,10 @@ def test_sampling_fields_and_defaults() -> None:
         {"logprobs": True},
         {"logprobs": -1},
         {"echo": True},
-        {"logit_bias": {"1": 5}},
+        {"logit_bias": {"x": 5}},
+        {"logit_bias": {"1": 500}},
+        {"logit_bias": {"1": "5"}},
+        {"min_tokens": 20},
         {"tools": [{"type": "function"}]},
         {"response_format": {"type": "json_object"}},
     ],
@@ -113,6 +116,13 @@ def test_a_400_names_its_field_in_param(field: dict, param: str) -> None:
     with pytest.raises(ApiError) as e:
         completion_request({"prompt": "x", **field})
     assert e.value.param == param
+
+
+def test_logit_bias_and_min_tokens_fields() -> None:
+    p = completion_request(
+        {"prompt": "x", "logit_bias": {"7": 3, "2": -1.5}, "min_tokens": 4}
+    ).params
+    assert p.logit_bias == ((2, -1.5), (7, 3.0)) and p.min_tokens == 4
 
 
 def test_vllm_extra_sampling_fields() -> None:

@@ -202,6 +202,15 @@ def test_completion_logprobs_equal_llm_generate(client, reference) -> None:
     assert plain.choices[0].logprobs is None
 
 
+def test_logit_bias_through_the_client(client) -> None:
+    r = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=4, logit_bias={"65": 100}, **GREEDY
+    )
+    assert r.choices[0].text == "AAAA"
+    with pytest.raises(openai.BadRequestError, match="logit_bias has token ids outside"):
+        client.completions.create(model=MODEL, prompt="Hello", logit_bias={"99999": 1})
+
+
 def test_penalties_equal_llm_generate(client, reference) -> None:
     penalties = {"presence_penalty": 0.7, "frequency_penalty": 0.4, "repetition_penalty": 1.3}
     r = client.completions.create(

@@ -43,6 +43,8 @@ sampling_params = st.builds(
     presence_penalty=st.floats(-2.0, 2.0),
     frequency_penalty=st.floats(-2.0, 2.0),
     repetition_penalty=st.floats(0.01, 10.0),
+    min_tokens=st.integers(0, 1),
+    logit_bias=st.dictionaries(IDS, st.floats(-100.0, 100.0), max_size=3),
 )
 
 
@@ -167,6 +169,17 @@ def _packed(value) -> bytes:
 CHUNK = [1, 0, [5, 6], True, [0], None, 1, -1, []]  # a valid ScheduledChunk's fields
 
 
+def _params(**fields) -> list:
+    """A valid SamplingParams' fields as sent, with ``fields`` changed."""
+    from sarathi_pp.comm.codec import _RECORDS, _fields_to_plain
+
+    plain = _fields_to_plain(SamplingParams, SamplingParams())
+    names = list(_RECORDS[SamplingParams][1])
+    for name, value in fields.items():
+        plain[names.index(name)] = value
+    return plain
+
+
 @pytest.mark.parametrize(
     ("data", "says"),
     [
@@ -201,6 +214,12 @@ CHUNK = [1, 0, [5, 6], True, [0], None, 1, -1, []]  # a valid ScheduledChunk's f
             "prefill chunk after a decode",  # MicroBatch's own layout check
         ),
         (
+            _packed(
+                ["microbatch", 1, [[*CHUNK[:5], _params(logit_bias=[[3, "x"]]), *CHUNK[6:]]], []]
+            ),
+            "microbatch.chunks[0].sampling_params.logit_bias[0]: expected float or int, got str",
+        ),
+        (
             _packed(["microbatch", 1, [CHUNK], [1.5]]),
             "microbatch.released: expected int items, got float",
         ),
@@ -213,7 +232,7 @@ CHUNK = [1, 0, [5, 6], True, [0], None, 1, -1, []]  # a valid ScheduledChunk's f
                         [
                             *CHUNK[:5],
                             [1, 0.5, 1, 0, None, 0, [], [], False, None, False, 0.0, False, True]
-                            + [0.0, 0.0, 1.0],
+                            + [0.0, 0.0, 1.0, 0, []],
                             0,
                             -1,
                             [],

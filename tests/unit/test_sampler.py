@@ -8,7 +8,7 @@ import math
 import torch
 
 from sarathi_pp.sampling_params import SamplingParams
-from sarathi_pp.stages.sampler import INVALID_TOKEN, logprobs, sample
+from sarathi_pp.stages.sampler import INVALID_TOKEN, logprobs, processed_logits, sample
 
 # Probabilities 0.4, 0.3, 0.15, 0.1, 0.05 for tokens 0..4.
 PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
@@ -53,3 +53,20 @@ def test_logprobs_report_the_raw_distribution_with_ranks():
     assert out[1].top_ids == () and out[1].top_logprobs == ()
     # a failed row (non-finite logits) reports nothing
     assert logprobs(logits, params[:1], [INVALID_TOKEN]) == {}
+
+
+def test_logit_bias_and_min_tokens():
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={4: 100.0, 0: -100}),
+        SamplingParams(temperature=0.0, min_tokens=3, max_tokens=5, stop_token_ids=[1]),
+        SamplingParams(temperature=0.0, min_tokens=3, max_tokens=5),
+        SamplingParams(temperature=0.0),
+    ]
+    logits = LOGITS.repeat(4, 1)
+    out = processed_logits(logits, params, [0, 2, 3, 0], eos_token_ids=(0,))
+    assert sample(out, params, [0] * 4) == [4, 2, 0, 0]
+    # row 1: fewer than min_tokens outputs: EOS (0) and its stop token (1) ruled out
+    assert out[1, 0] == out[1, 1] == torch.finfo(out.dtype).min
+    assert torch.equal(out[2], logits[2]) and torch.equal(out[3], logits[3])  # 3 >= min_tokens
+    assert torch.equal(logits, LOGITS.repeat(4, 1))  # the raw logits stay
+    assert processed_logits(logits, params[3:], [0], (0,)) is logits  # nothing asked: no copy

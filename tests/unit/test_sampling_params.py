@@ -37,6 +37,11 @@ def test_normalisation():
         (dict(use_beam_search=True), "beam search"),
         (dict(min_p=1.5), r"min_p must be in \[0, 1\], got 1.5"),
         (dict(min_p=-0.1), "min_p"),
+        (dict(min_tokens=5, max_tokens=4), r"min_tokens must be in \[0, max_tokens=4\], got 5"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias must map token ids >= 0"),
+        (dict(logit_bias={3: 101}), "biases in \\[-100, 100\\], got 3: 101.0"),
+        (dict(logit_bias={3: "x"}), "logit_bias must be a real number, got 'x'"),
+        (dict(logit_bias=[3]), "logit_bias must map token ids to numbers, got 3"),
         (dict(seed="x"), "seed.*'x'"),
         (dict(stop=[""]), "stop strings"),
         (dict(stop_token_ids=[-1]), "stop_token_ids.*-1"),
@@ -52,6 +57,8 @@ def test_boundary_values_are_accepted():
     SamplingParams(top_p=1e-6, logprobs=None, n=1)
     SamplingParams(n=5, logprobs=0)
     SamplingParams(logprobs=20)
+    assert SamplingParams(logit_bias={5: 1, 2: -3.5}).logit_bias == ((2, -3.5), (5, 1.0))
+    assert hash(SamplingParams(logit_bias={5: 1})) == hash(SamplingParams(logit_bias=[(5, 1.0)]))
 
 
 def test_tiny_temperature_is_greedy_not_an_overflow():
