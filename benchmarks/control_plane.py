@@ -15,11 +15,11 @@ the decode-only micro-batches after, ``tail%`` that part's share of the window):
 - ``return``: the last stage finished j -> the driver has its tokens (when it was waiting);
 - ``driver``: the driver's own work per micro-batch: scheduling + submit + applying the
   tokens (from its ``issue`` records and the waits between);
-- ``L``: the last stage finished j -> micro-batch j+M reached stage 0 (M in flight): the
+- ``L``: the last stage computed j -> micro-batch j+M reached stage 0 (M in flight): the
   whole loop back, what stage 0 idles per micro-batch when the pipeline is full. With
-  scheduling ahead (``ray+ahead``) j+M was handed over before j finished and waits at
-  stage 0 for j's tokens over the ring: L is then the ring's latency (to the end of that
-  wait).
+  scheduling ahead (``ray+ahead``, M+1 in flight) a micro-batch that takes decode inputs
+  over the ring was handed over before its source j finished and waits at stage 0 for j's
+  tokens: L is then the ring's latency (j computed -> the end of that wait).
 
     python benchmarks/control_plane.py                  # bubbles.yaml, ~5 min on 2 cores
     python benchmarks/control_plane.py --quick          # short.yaml, a smoke run
@@ -111,8 +111,14 @@ def loop_costs(log: RunLog, in_flight: int) -> dict[str, float]:
     # (its wait for them ends at compute_start)
     can_start = {k: e.compute_start if issues.get(k) and issues[k].ring is not None
                  else e.input_ready for k, e in first.items()}  # fmt: skip
-    loop = [can_start[k] - last[j].send_end
-            for j, k in zip(ordered, ordered[in_flight:]) if k in first]  # fmt: skip
+    # j: the micro-batch k waited for (scheduled ahead: its ring source, the newest one
+    # it takes tokens of; else the one M before it, whose slot it takes)
+    source = {k: i.ring for k, i in issues.items() if i.ring is not None}
+    # L from j's tokens existing: the last stage sends them on (to the driver, or over the
+    # ring) once it has computed j, and stage 0 may start k before j's send_end
+    loop = [can_start[k] - last[source.get(k, j)].compute_end
+            for j, k in zip(ordered, ordered[in_flight:])
+            if k in first and source.get(k, j) in last]  # fmt: skip
     # the driver's own time: from the tokens of j in hand to the next wait's start, less
     # what it spent blocked (nothing: it does not block between), per micro-batch
     waits = sorted(log.waits, key=lambda w: w.start)
@@ -150,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir = Path(args.out) / name
                 wall = run_one(args, executor, scheduler, m, requests, run_dir)
                 summary = write_report(run_dir, plot=False)
-                costs = loop_costs(load_log(run_dir / "events.jsonl"), m or 2)
+                # in flight: M (the stages by default), one more when scheduling ahead
+                slots = (m or 2) + (executor == "ray+ahead")
+                costs = loop_costs(load_log(run_dir / "events.jsonl"), slots)
                 print(f"{name}: {wall:.1f} s ({run_dir})", file=sys.stderr)
                 rows.append((name, wall, summary, costs))
     print(f"# {workload.describe()}; chunk {args.chunk_size}, PP=2, one thread per stage "
