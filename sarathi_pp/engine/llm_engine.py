@@ -161,6 +161,10 @@ class LLMEngine(PipelineFaults):
     def tokenize(self, prompt: str) -> list[int]:
         return self.inputs.tokenize(prompt)
 
+    def detokenize(self, token_ids: list[int]) -> str:
+        """``token_ids`` as text (special tokens skipped); ``""`` without a tokenizer."""
+        return self.outputs.detokenizer.decode(token_ids) if self.outputs.detokenizer else ""
+
     def validate_prompt(self, token_ids: list[int], where: str = "prompt") -> None:
         """``ValueError`` naming ``where`` unless the prompt can run at all."""
         s = self.config.scheduler

@@ -124,6 +124,12 @@ class _Routes:
             tokens = [
                 _prompt_tokens(engine, req, i, prompt) for i, prompt in enumerate(req.prompts)
             ]
+            if req.echo:  # token id prompts echo as text (the engine thread owns the tokenizer)
+                texts = [
+                    p.text if p.text is not None else engine.detokenize(t)
+                    for p, t in zip(req.prompts, tokens, strict=True)
+                ]
+                choices.echo = [texts[i] for _, _, _, i in children]
             try:
                 for rid, params, _, i in children:
                     engine.add_request(rid, req.prompts[i].text, params, tokens[i])
@@ -213,10 +219,11 @@ class _Routes:
             for rid in choices.unfinished:  # the client is gone (or we were cancelled)
                 self.engine_loop.abort(rid)
         answers = []
-        for out in choices.final:
+        for index, out in enumerate(choices.final):
             c = out.outputs[0]
             lp = _logprobs(req, c.token_ids, c.logprobs, chat)
-            answers.append({"text": c.text, "finish_reason": c.finish_reason, "logprobs": lp})
+            text = choices.echo[index] + c.text if choices.echo else c.text
+            answers.append({"text": text, "finish_reason": c.finish_reason, "logprobs": lp})
         use = choices.usage()
         if chat:
             return p.chat_response(request_id, self.model, answers, use)
@@ -259,6 +266,8 @@ class _Routes:
                             text_offset=num_sent[index] - len(delta),
                         )  # fmt: skip
                     reason = completion.finish_reason
+                    if choices.echo and first == 0:  # the choice's first chunk: its prompt
+                        delta = choices.echo[index] + delta
                     yield _sse(self._chunk(request_id, delta, reason, chat, index, lp))
             if req.include_usage and choices.all_finished and not choices.failed:
                 chunk = self._chunk(request_id, "", None, chat, 0)
@@ -311,6 +320,7 @@ class _Choices:
         self._index = {rid: i for i, rid in enumerate(ids)}
         self._latest: list[Any] = [None] * len(ids)
         self.failed = False  # the stream ended on an error
+        self.echo: list[str] = []  # with echo: each choice's prompt text, set when added
 
     def update(self, out: Any) -> int:
         """Record ``out``; its choice index."""

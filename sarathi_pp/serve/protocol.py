@@ -21,7 +21,6 @@ DEFAULT_MAX_TOKENS = 16
 # predicate), refused with a 400 otherwise.
 _UNSUPPORTED: dict[str, Any] = {
     "best_of": lambda v: v == 1 and not isinstance(v, bool),
-    "echo": lambda v: v is False,
     "prompt_logprobs": lambda v: False,  # only null: the last stage computes no prompt logits
     "suffix": lambda v: v == "",
     "tools": lambda v: v == [],
@@ -108,6 +107,7 @@ class GenerateRequest:
     prompts: tuple[Prompt, ...] = ()
     messages: list[dict[str, Any]] | None = None
     max_tokens: int | None = None  # as given (None: the default, 16)
+    echo: bool = False  # completions: each choice's text starts with its prompt
 
 
 # Prompts in one completion request at most, and choices (prompts x ``n``: each its own
@@ -275,13 +275,20 @@ def completion_request(body: Any) -> GenerateRequest:
         prompts = tuple(_prompt(x, f"prompt[{i}]") for i, x in enumerate(prompt))
     else:
         prompts = (_prompt(prompt, "prompt"),)
+    echo = _get(body, "echo", "bool", False)
+    if echo and common["params"].logprobs is not None:
+        raise bad_request(
+            "'echo' with 'logprobs' needs the prompt's log-probabilities, which this server "
+            "does not compute: drop one of them",
+            "echo",
+        )
     n = common["params"].n
     if len(prompts) * n > MAX_CHOICES:
         raise bad_request(
             f"at most {MAX_CHOICES} choices per request (prompts x n), got {len(prompts)} x {n}",
             "n",
         )
-    return GenerateRequest(prompts=prompts, **common)
+    return GenerateRequest(prompts=prompts, echo=echo, **common)
 
 
 def _prompt(prompt: Any, where: str) -> Prompt:
@@ -300,6 +307,8 @@ def chat_request(body: Any) -> GenerateRequest:
     """``POST /v1/chat/completions``: ``messages`` of ``{"role", "content"}`` (text content,
     or a list of ``{"type": "text", "text"}`` parts)."""
     common = _common(body, ("max_completion_tokens", "max_tokens"), chat=True)
+    if body.get("echo") not in (None, False):
+        raise bad_request("'echo' is a completions parameter", "echo")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")

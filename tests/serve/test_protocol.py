@@ -85,7 +85,8 @@ def test_sampling_fields_and_defaults() -> None:
         {"logprobs": 21},
         {"logprobs": True},
         {"logprobs": -1},
-        {"echo": True},
+        {"echo": "yes"},
+        {"echo": True, "logprobs": 1},
         {"logit_bias": {"x": 5}},
         {"logit_bias": {"1": 500}},
         {"logit_bias": {"1": "5"}},
@@ -131,6 +132,14 @@ def test_vllm_extra_sampling_fields() -> None:
     assert (p.min_p, p.include_stop_str_in_output, p.skip_special_tokens) == (0.1, True, False)
     p = completion_request({"prompt": "x"}).params
     assert (p.min_p, p.include_stop_str_in_output, p.skip_special_tokens) == (0.0, False, True)
+
+
+def test_echo_is_a_completions_field() -> None:
+    assert completion_request({"prompt": "x", "echo": True}).echo
+    assert not completion_request({"prompt": "x"}).echo
+    with pytest.raises(ApiError) as e:
+        chat_request({"messages": [{"role": "user", "content": "x"}], "echo": True})
+    assert e.value.param == "echo"
 
 
 def test_chat_logprobs_fields() -> None:

@@ -202,6 +202,23 @@ def test_completion_logprobs_equal_llm_generate(client, reference) -> None:
     assert plain.choices[0].logprobs is None
 
 
+def test_echo_prepends_each_prompt(client, reference) -> None:
+    prompts = ["Hello world", [72, 105, 33]]
+    plain = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, **GREEDY)
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, echo=True, **GREEDY)
+    texts = ["Hello world", reference.get_tokenizer().decode([72, 105, 33])]
+    assert texts[1] == "Hi!"
+    assert [c.text for c in r.choices] == [t + c.text for t, c in zip(texts, plain.choices)]
+    assert r.usage == plain.usage
+    streamed = ["", ""]
+    for chunk in client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=5, echo=True, stream=True, **GREEDY
+    ):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in r.choices]
+
+
 def test_logit_bias_through_the_client(client) -> None:
     r = client.completions.create(
         model=MODEL, prompt="Hello", max_tokens=4, logit_bias={"65": 100}, **GREEDY
