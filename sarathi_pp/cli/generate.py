@@ -67,6 +67,10 @@ def add_parser(subparsers: Any) -> None:
     g.add_argument(
         "--repetition-penalty", type=float, default=1.0, metavar="X", help="> 0, default: 1 (off)"
     )
+    g.add_argument(
+        "--min-tokens", type=int, default=0, metavar="N",
+        help="no EOS or stop token before N tokens (default: 0)",
+    )  # fmt: skip
     g.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     g.add_argument(
         "--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)"
@@ -105,6 +109,7 @@ SAMPLING_FLAGS = {
     "top_k": "--top-k", "stop": "--stop", "n": "--num-completions", "min_p": "--min-p",
     "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
     "repetition_penalty": "--repetition-penalty", "logprobs": "--logprobs",
+    "min_tokens": "--min-tokens",
 }  # fmt: skip
 
 
@@ -126,6 +131,7 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
         ignore_eos=args.ignore_eos,
         stop=tuple(args.stop),
         n=args.num_completions,
+        min_tokens=args.min_tokens,
         min_p=args.min_p,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
@@ -234,6 +240,9 @@ def print_readable(records: list[dict[str, Any]], stream: IO[str]) -> None:
         for c in _completions(r):
             label = f"output {c['index']}" if many else "output"
             print(f"    {label}: {c['text']!r}", file=stream)
+            if "logprobs" in c:  # per token: its text and log-probability
+                steps = " ".join(f"{p[0]['text']!r}:{p[0]['logprob']:.2f}" for p in c["logprobs"])
+                print(f"    logprobs: {steps}", file=stream)
             status = f"{c['finish_reason']}, {len(c['token_ids'])} tokens"
             if "cumulative_logprob" in c:
                 status += f", cumulative logprob {c['cumulative_logprob']:.3f}"

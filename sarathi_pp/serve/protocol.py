@@ -227,6 +227,11 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     """``SamplingParams.logprobs`` from the request: completions' ``logprobs`` (how many
     most likely tokens per position), chat's ``logprobs`` (bool) and ``top_logprobs``."""
     if not chat:
+        if body.get("top_logprobs") is not None:
+            raise bad_request(
+                "'top_logprobs' is a chat parameter: completions take 'logprobs': k",
+                "top_logprobs",
+            )
         num = _get(body, "logprobs", "int")
         if num is not None and not 0 <= num <= MAX_LOGPROBS:
             raise bad_request(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {num}", "logprobs")

@@ -154,6 +154,7 @@ def test_num_completions_and_logprobs(llama_dir, tmp_path, capsys):
     assert main(argv) == 0  # readable: each completion
     captured = capsys.readouterr()
     assert captured.out.count("    output 2: ") == 2 and "cumulative logprob" in captured.out
+    assert captured.out.count("    logprobs: ") == 6
     assert "2 requests, 24 generated tokens" in captured.err
 
 
@@ -167,6 +168,7 @@ def test_num_completions_and_logprobs(llama_dir, tmp_path, capsys):
         ),
         (["--repetition-penalty", "0"], "--repetition-penalty: repetition_penalty must be > 0"),
         (["--min-p", "2"], "--min-p: min_p must be in [0, 1], got 2.0"),
+        (["--min-tokens", "20"], "--min-tokens: min_tokens must be in [0, max_tokens=16], got 20"),
     ],
 )
 def test_bad_sampling_flags_are_usage_errors(llama_dir, capsys, flags, says):

@@ -85,6 +85,7 @@ def test_sampling_fields_and_defaults() -> None:
         {"logprobs": 21},
         {"logprobs": True},
         {"logprobs": -1},
+        {"top_logprobs": 2},
         {"echo": "yes"},
         {"echo": True, "logprobs": 1},
         {"logit_bias": {"x": 5}},
