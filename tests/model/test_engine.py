@@ -154,7 +154,9 @@ def test_skip_special_tokens_false_keeps_their_text(llm):
     assert texts[False][-1] == "H" + special_text + "i"
 
 
-def test_eos_from_the_checkpoint_stops_unless_ignored(llama_dir, tmp_path):
+def _eos_at_the_fourth_token(llama_dir, tmp_path):
+    """A prompt, its 10 greedy tokens, the fourth of them, and a copy of the model whose
+    config names that token its EOS."""
     p = prompts(1, seed=7)[0]
     full, _ = hf_greedy(llama_dir, p, 10)
     eos = full[3]
@@ -163,6 +165,11 @@ def test_eos_from_the_checkpoint_stops_unless_ignored(llama_dir, tmp_path):
     cfg = json.loads((model / "config.json").read_text())
     cfg["eos_token_id"] = eos
     (model / "config.json").write_text(json.dumps(cfg))
+    return p, full, eos, model
+
+
+def test_eos_from_the_checkpoint_stops_unless_ignored(llama_dir, tmp_path):
+    p, full, eos, model = _eos_at_the_fourth_token(llama_dir, tmp_path)
     llm = LLM(str(model), max_model_len=128)
     out = llm.generate([p], SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)[0]
     assert ids(out) == full[: full.index(eos) + 1] and out.outputs[0].finish_reason == "stop"
@@ -177,14 +184,7 @@ def test_eos_from_the_checkpoint_stops_unless_ignored(llama_dir, tmp_path):
 
 
 def test_min_tokens_rules_out_eos_until_reached(llama_dir, tmp_path):
-    p = prompts(1, seed=7)[0]
-    full, _ = hf_greedy(llama_dir, p, 10)
-    eos = full[3]
-    model = tmp_path / "m"
-    shutil.copytree(llama_dir, model)
-    cfg = json.loads((model / "config.json").read_text())
-    cfg["eos_token_id"] = eos
-    (model / "config.json").write_text(json.dumps(cfg))
+    p, full, eos, model = _eos_at_the_fourth_token(llama_dir, tmp_path)
     with LLM(str(model), max_model_len=128) as llm:
         out = llm.generate(
             [p], SamplingParams(max_tokens=10, temperature=0, min_tokens=6), use_tqdm=False
