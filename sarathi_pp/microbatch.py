@@ -155,6 +155,13 @@ class StepResult:
     # seq_id -> its token's log-probabilities, for the sequences that asked for them
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
 
+    def add(self, other: StepResult) -> None:
+        """Take ``other``'s tokens, log-probabilities and failures (a retry's, one
+        sequence at a time)."""
+        self.sampled.update(other.sampled)
+        self.logprobs.update(other.logprobs)
+        self.errors.update(other.errors)
+
 
 def retry_one_at_a_time(
     microbatch: MicroBatch, failed: StepResult, run: Callable[[MicroBatch], StepResult]
@@ -169,9 +176,7 @@ def retry_one_at_a_time(
         if r.failure is not None:
             result.errors[chunk.seq_id] = r.failure
         else:
-            result.sampled.update(r.sampled)
-            result.logprobs.update(r.logprobs)
-            result.errors.update(r.errors)
+            result.add(r)
     return result
 
 

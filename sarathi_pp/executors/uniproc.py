@@ -82,7 +82,7 @@ class UniprocExecutor:
                 return StepResult(errors={seq_id: f"{type(e).__name__}: {e}"})
         result = StepResult()
         for chunk in microbatch.chunks:  # one at a time, to find the culprit(s)
-            solo = self._run(MicroBatch(microbatch.microbatch_id, (chunk,), microbatch.released))
-            result.sampled.update(solo.sampled)
-            result.errors.update(solo.errors)
+            result.add(
+                self._run(MicroBatch(microbatch.microbatch_id, (chunk,), microbatch.released))
+            )
         return result

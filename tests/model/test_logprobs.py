@@ -157,3 +157,19 @@ def test_the_engine_itself_takes_one_completion_per_request(llama_dir):
         with pytest.raises(ValueError, match="n=2"):
             llm.engine.add_request("x", None, SamplingParams(n=2), prompt_token_ids=[1, 2])
         assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_failing_request_leaves_the_others_logprobs_whole(llama_dir):
+    """The one-stage executor retries a failed micro-batch one sequence at a time: the
+    others keep one entry per token (a lost entry would pair the rest with wrong tokens)."""
+    prompts = make_prompts(seed=4)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    with LLM(str(llama_dir), **KW) as llm:
+        ref = llm.generate(prompts, params, use_tqdm=False)
+    with LLM(str(llama_dir), **KW, **{"parallel.inject_fault": "raise@stage=0,seq=2"}) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert outs[2].outputs[0].finish_reason == "error"
+    for i in (0, 1, 3):
+        c, r = outs[i].outputs[0], ref[i].outputs[0]
+        assert c.token_ids == r.token_ids and len(c.logprobs) == len(c.token_ids)
+        assert [list(e) for e in c.logprobs] == [list(e) for e in r.logprobs]
