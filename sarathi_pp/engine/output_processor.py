@@ -138,5 +138,6 @@ class OutputProcessor:
             return None
         text = self._token_text.get(token_id)
         if text is None:
-            text = self._token_text[token_id] = self.detokenizer.tokenizer.decode([token_id])
+            # special tokens too: the token's own text, whatever the request's text skips
+            text = self._token_text[token_id] = self.detokenizer.decode([token_id], False)
         return text
