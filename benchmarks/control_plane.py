@@ -15,11 +15,15 @@ the decode-only micro-batches after, ``tail%`` that part's share of the window):
 - ``return``: the last stage finished j -> the driver has its tokens (when it was waiting);
 - ``driver``: the driver's own work per micro-batch: scheduling + submit + applying the
   tokens (from its ``issue`` records and the waits between);
-- ``L``: the last stage computed j -> micro-batch j+M reached stage 0 (M in flight): the
-  whole loop back, what stage 0 idles per micro-batch when the pipeline is full. With
-  scheduling ahead (``ray+ahead``, M+1 in flight) a micro-batch that takes decode inputs
-  over the ring was handed over before its source j finished and waits at stage 0 for j's
-  tokens: L is then the ring's latency (j computed -> the end of that wait).
+- ``L``: the last stage computed j -> the micro-batch k that waited for j reached stage 0:
+  the whole loop back, what stage 0 idles per micro-batch when the pipeline is full. j is
+  the last micro-batch whose tokens the driver had when it began scheduling k (M before k
+  while prompts remain, fewer in the decode-only tail); scheduled ahead (``ray+ahead``, M+1
+  in flight), a micro-batch that takes decode inputs over the ring was handed over before
+  its source j finished and waits at stage 0 for j's tokens: L is then the ring's latency (j
+  computed -> the end of that wait). Counted over the micro-batches whose loop back stage 0
+  sat through (free by the time j was computed): with more in flight than stages it is
+  mostly busy then, the loop back hidden, and only the decode-only tail's count.
 
     python benchmarks/control_plane.py                  # bubbles.yaml, ~5 min on 2 cores
     python benchmarks/control_plane.py --quick          # short.yaml, a smoke run
@@ -31,6 +35,7 @@ ratios between rows of one run, not absolute costs.
 from __future__ import annotations
 
 import argparse
+import bisect
 import statistics
 import sys
 import time
@@ -97,7 +102,7 @@ def median_us(values: list[float]) -> float:
     return 1e6 * statistics.median(values) if values else float("nan")
 
 
-def loop_costs(log: RunLog, in_flight: int) -> dict[str, float]:
+def loop_costs(log: RunLog) -> dict[str, float]:
     """Per micro-batch medians in microseconds (see the module)."""
     first, last = log.by_mb(0), log.by_mb(log.num_stages - 1)
     issues = {i.mb: i for i in log.issues}
@@ -106,19 +111,33 @@ def loop_costs(log: RunLog, in_flight: int) -> dict[str, float]:
     dispatch = [first[k].input_ready - max(i.submit, first[k].wait_start)
                 for k, i in issues.items() if k in first and i.submit is not None]  # fmt: skip
     ret = [w.end - max(w.start, last[w.mb].send_end) for w in log.waits if w.mb in last]
-    ordered = sorted(last)
+    # j: the micro-batch k waited for: scheduled ahead, its ring source (the newest one it
+    # takes tokens of); else the last one whose tokens the driver had when it began to
+    # schedule k (the one that freed k's slot; in the decode-only tail, with fewer in
+    # flight, not the one M before)
+    dones = [(t, mb) for mb, t in log.dones]
+    done_times = [t for t, _ in dones]
+    source: dict[int, int] = {}
+    for k, i in issues.items():
+        if i.ring is not None:
+            source[k] = i.ring
+        else:
+            n = bisect.bisect_right(done_times, i.t)
+            if n:
+                source[k] = dones[n - 1][1]
     # stage 0 can start k: it has k (input_ready) and, scheduled ahead, the ring's tokens
     # (its wait for them ends at compute_start)
     can_start = {k: e.compute_start if issues.get(k) and issues[k].ring is not None
                  else e.input_ready for k, e in first.items()}  # fmt: skip
-    # j: the micro-batch k waited for (scheduled ahead: its ring source, the newest one
-    # it takes tokens of; else the one M before it, whose slot it takes)
-    source = {k: i.ring for k, i in issues.items() if i.ring is not None}
-    # L from j's tokens existing: the last stage sends them on (to the driver, or over the
-    # ring) once it has computed j, and stage 0 may start k before j's send_end
-    loop = [can_start[k] - last[source.get(k, j)].compute_end
-            for j, k in zip(ordered, ordered[in_flight:])
-            if k in first and source.get(k, j) in last]  # fmt: skip
+    # L from j's tokens existing (the last stage sends them on, to the driver or over the
+    # ring, once it has computed j), over the micro-batches whose loop back stage 0 sat
+    # through: it was free by then (with more in flight than stages it is mostly busy with
+    # the micro-batch before, and the loop back is hidden)
+    loop = [
+        can_start[k] - last[j].compute_end
+        for k, j in source.items()
+        if k in first and j in last and first[k].wait_start <= last[j].compute_end
+    ]
     # the driver's own time: from the tokens of j in hand to the next wait's start, less
     # what it spent blocked (nothing: it does not block between), per micro-batch
     waits = sorted(log.waits, key=lambda w: w.start)
@@ -156,9 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir = Path(args.out) / name
                 wall = run_one(args, executor, scheduler, m, requests, run_dir)
                 summary = write_report(run_dir, plot=False)
-                # in flight: M (the stages by default), one more when scheduling ahead
-                slots = (m or 2) + (executor == "ray+ahead")
-                costs = loop_costs(load_log(run_dir / "events.jsonl"), slots)
+                costs = loop_costs(load_log(run_dir / "events.jsonl"))
                 print(f"{name}: {wall:.1f} s ({run_dir})", file=sys.stderr)
                 rows.append((name, wall, summary, costs))
     print(f"# {workload.describe()}; chunk {args.chunk_size}, PP=2, one thread per stage "
