@@ -8,7 +8,8 @@ load time for one of two kernels, else ``F.linear``:
   time (``-march=native``): with AVX2, 6 rows at a time (2 x 6 accumulators, a broadcast of x
   and two loads of W per k); with AVX-512, 16 rows at a time (16 zmm accumulators, one load
   of W per k) from a copy of x packed by blocks of 16 rows (see Note [the AVX-512 panel
-  kernel]).
+  kernel]), and from 16 rows groups of 4 panels 6 rows at a time (Note [the AVX-512 panel
+  kernel's groups]).
 - ``onednn``: oneDNN with the weight reordered into its blocked layout
   (``mkldnn._linear_pointwise``); where the kernel does not load, or with
   ``SARATHI_PP_CPU_GEMM=0``.
@@ -64,6 +65,26 @@ per slice). Then, against oneDNN in the same run: 128-256 rows 1.01-1.07x, 512-1
 the slices outermost, or x packed per chunk instead of once: no better. A 1024-token prefill
 chunk in the engine (``piggyback.py --chunk-size 1024``, oneDNN / panel alternated): 1412 /
 1542 ms vs 1456 / 1608 ms (3-4% slower); the default 256-token chunks are on par.
+
+Note [the AVX-512 panel kernel's groups]: on a 2-core AVX-512 Intel Xeon @ 2.80 GHz (Ice Lake
+class: avx512_vnni, vbmi2, bitalg; 2026-12-03, torch 2.13, 1 thread) the 16-row kernel above
+ran at 50-68 GFLOP/s from 16 to 1024 rows whatever the weight, against oneDNN's 108-150: 0.45-
+0.54x at 256 rows (``benchmarks/linear_rows.py``), so a 256-token hybrid step of the embedded
+model took 869-901 ms against 504-624 ms with oneDNN (``benchmarks/piggyback.py --threads 1``),
+while the decode-only steps were 1.2-1.7x faster with it. Per k it issues 1 load of W and 16
+broadcasts of x for 16 FMAs; the row chunks and K slices of the many-rows path (64 or 128
+rows, 256 or 512 of K, for any x) left it at 54-64 GFLOP/s, and two panels x 8 rows reached
+83-93. From 16 rows the kernel now takes groups of 4 panels (64 columns) 6 rows at a time
+(24 accumulators; per k 4 loads of W and 6 broadcasts for 24 FMAs; the x of a 16-row block
+packed as before, read in pieces of 6, 6 and 4), the panels after the last whole group one by
+one as before; fewer rows keep the 16-row kernel and its prefetches (decode steps, tuned on the
+EPYC above). Same machine, the kinds interleaved, two runs: at 256 rows 0.78-1.00x oneDNN
+(gate/up 27.6 against 25.4 ms), 0.81-0.97x at 1024, 0.88-1.28x at 16-64 rows; the 256-token
+hybrid step 602-605 ms (oneDNN 504-529 ms, in the same run), decode-only steps unchanged (45-48
+ms for 8 decodes against oneDNN's 56-71). K slices of 64-256 in the groups' path: no gain beyond the
+machine's noise. Not re-measured on the AVX-512 EPYC of the notes above (not this session's
+machine): there the 16-row kernel was on par with oneDNN from 128 rows, and the groups issue
+fewer loads per FMA than it.
 
 Note [the panel's K slices]: up to 2026-12-02 the kernel cut K into slices of 256 for fewer
 than 128 rows, so that a panel's 16 KB slice stayed in L1 while each block of 16 rows passed
@@ -165,6 +186,63 @@ static void panel(const float *xp, int64_t M, int64_t K, const float *wp, float 
 #undef TAIL
 }
 
+/* From GROUP_ROWS rows: 4 panels (64 columns) x up to 6 rows per call, 24 accumulators, per k
+   4 loads of W and 6 broadcasts of x for 24 FMAs, against 1 + 16 for 16 in micro() (see Note
+   [the AVX-512 panel kernel's groups]). xp: a packed block ([K][ldx]) at this call's first
+   row and at k = 0; wp: the first panel at k = 0, the others pstride floats apart. */
+#define GROUP 4
+#define GROUP_MR 6
+#define GROUP_ROWS 16
+static inline __attribute__((always_inline)) void micro4(const float *xp, int64_t ldx,
+                                                         const float *wp, int64_t pstride,
+                                                         int64_t kc, float *y, int64_t ldy,
+                                                         const int MR, int accumulate) {
+    __m512 a[GROUP_MR][GROUP];
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < GROUP; j++)
+            a[r][j] = accumulate ? _mm512_loadu_ps(y + r * ldy + NR * j) : _mm512_setzero_ps();
+    for (int64_t k = 0; k < kc; k++) {
+        const __m512 w0 = _mm512_loadu_ps(wp + k * NR), w1 = _mm512_loadu_ps(wp + pstride + k * NR);
+        const __m512 w2 = _mm512_loadu_ps(wp + 2 * pstride + k * NR);
+        const __m512 w3 = _mm512_loadu_ps(wp + 3 * pstride + k * NR);
+        for (int r = 0; r < MR; r++) {
+            const __m512 xb = _mm512_set1_ps(xp[k * ldx + r]);
+            a[r][0] = _mm512_fmadd_ps(xb, w0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(xb, w1, a[r][1]);
+            a[r][2] = _mm512_fmadd_ps(xb, w2, a[r][2]);
+            a[r][3] = _mm512_fmadd_ps(xb, w3, a[r][3]);
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < GROUP; j++) _mm512_storeu_ps(y + r * ldy + NR * j, a[r][j]);
+}
+/* GROUP panels (starting at wp, K * NR floats apart) for all M rows, K from k0 to k0 + kc;
+   xp packed as for panel(). */
+static void group(const float *xp, int64_t M, int64_t K, const float *wp, float *y, int64_t N,
+                  int64_t k0, int64_t kc) {
+    const int acc = k0 > 0;
+    for (int64_t r0 = 0; r0 < M; r0 += MR_MAX) {
+        const int64_t mr = M - r0 < MR_MAX ? M - r0 : MR_MAX;
+        const float *b = xp + r0 * K + k0 * mr;
+        for (int64_t h = 0; h < mr; h += GROUP_MR) {
+            const int n = mr - h < GROUP_MR ? (int)(mr - h) : GROUP_MR;
+#define G(c) case c: micro4(b + h, mr, wp + k0 * NR, K * NR, kc, y + (r0 + h) * N, N, c, acc); break;
+            switch (n) { G(6) G(5) G(4) G(3) G(2) G(1) }
+#undef G
+        }
+    }
+}
+/* Work unit u of a call: a group of GROUP panels (u < groups) or one of the panels after the
+   last whole group. */
+static inline void unit(const float *xp, int64_t M, int64_t K, const float *wp, float *y,
+                        int64_t N, int64_t groups, int64_t u, int64_t k0, int64_t kc) {
+    if (u < groups)
+        group(xp, M, K, wp + u * GROUP * K * NR, y + u * GROUP * NR, N, k0, kc);
+    else {
+        const int64_t p = groups * GROUP + (u - groups);
+        panel(xp, M, K, wp + p * K * NR, y + p * NR, N, k0, kc);
+    }
+}
 /* x [M, K] -> xp: each block of up to 16 rows r0.. as [K][mr] at xp + r0 * K. */
 static void pack_x(const float *x, int64_t M, int64_t K, float *xp, int num_threads) {
     #pragma omp parallel for schedule(static) num_threads(num_threads) if(num_threads > 1 && M * K > 65536)
@@ -229,6 +307,24 @@ int panel_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_
     float *xp = malloc(sizeof(float) * (size_t)(M * K));
     if (xp == NULL) return 1;
     pack_x(x, M, K, xp, num_threads);
+    if (M >= GROUP_ROWS) {  /* groups of panels (Note [the AVX-512 panel kernel's groups]) */
+        const int64_t groups = panels / GROUP, units = groups + panels % GROUP;
+        if (M * K <= BIG_X) {
+            #pragma omp parallel for schedule(static) num_threads(num_threads) if(num_threads > 1)
+            for (int64_t u = 0; u < units; u++) unit(xp, M, K, wp, y, N, groups, u, 0, K);
+        } else {  /* rows in chunks of MC, K in slices of KC_BIG, as below */
+            #pragma omp parallel num_threads(num_threads) if(num_threads > 1)
+            for (int64_t r0 = 0; r0 < M; r0 += MC)
+                for (int64_t k0 = 0; k0 < K; k0 += KC_BIG) {
+                    const int64_t mc = M - r0 < MC ? M - r0 : MC, kcb = K - k0 < KC_BIG ? K - k0 : KC_BIG;
+                    #pragma omp for schedule(static)
+                    for (int64_t u = 0; u < units; u++)
+                        unit(xp + r0 * K, mc, K, wp, y + r0 * N, N, groups, u, k0, kcb);
+                }
+        }
+        free(xp);
+        return 0;
+    }
 #else
     const float *xp = x;
 #endif

@@ -1,7 +1,8 @@
 """The decoder's ``Linear``: every kind that runs here (``panel_gemm``: our packed C kernel;
 ``onednn``: oneDNN with a prepacked weight; ``f_linear``) gives F.linear's values (to float32
-rounding) for 0 to 1000 rows (row blocks of 6 (AVX2) or 16 (AVX-512) and their remainders, the
-K-sliced path below 128 rows, the unsliced one above and the row-chunked one for many rows),
+rounding) for 0 to 1000 rows (row blocks of 6 (AVX2) or 16 (AVX-512) and their remainders, on
+AVX-512 from 16 rows groups of 4 panels and the panels after them, the unsliced path and the
+row-chunked one for many rows),
 with a bias, a K that is no multiple of the slice, a non-contiguous and a 3-D input; on an
 AVX-512 CPU the kernel's AVX2 build too; the choice between them follows the weight, the CPU
 and the switches."""
@@ -62,6 +63,24 @@ def test_many_rows_take_the_chunked_path_and_stay_exact(kind):
     torch.manual_seed(1)
     w, b = torch.randn(256, 1100), torch.randn(256)
     x = torch.randn(1000, 1100)
+    torch.testing.assert_close(make_linear(w, b, kind)(x), F.linear(x, w, b), atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS_HERE)
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "rows"),
+    [(1040, 300, 16), (1040, 300, 23), (1040, 300, 600), (48, 5500, 17), (1040, 1100, 1000)],
+)
+def test_groups_of_panels_and_the_panels_after_them_stay_exact(
+    kind, out_features, in_features, rows
+):
+    """From 16 rows the AVX-512 kernel runs groups of 4 panels (64 outputs) 6 rows at a time
+    and the panels after the last whole group one by one: 65 panels (16 groups and one), 3
+    panels (no group), rows in 6-row pieces of 16-row blocks with remainders, and the
+    row-chunked path (1000 x 1100) with a panel after the groups."""
+    torch.manual_seed(rows)
+    w, b = torch.randn(out_features, in_features), torch.randn(out_features)
+    x = torch.randn(rows, in_features)
     torch.testing.assert_close(make_linear(w, b, kind)(x), F.linear(x, w, b), atol=2e-3, rtol=1e-4)
 
 
