@@ -191,13 +191,21 @@ def _logprob_values(completion):
     return [[(t, e.logprob, e.rank) for t, e in entry.items()] for entry in completion.logprobs]
 
 
+# float32 log-probabilities of the same tokens computed by processes with other thread counts
+# (torchrun's ranks run on one thread, the PP=1 reference on torch's default): the matmuls sum
+# in another order, and the values drift by ~1e-5 (1.2e-5 seen on an Intel Xeon); a wrong or
+# misaligned log-probability is off by far more. The tolerance of the checks against HF.
+LOGPROB_TOL = 1e-4
+
+
 def _assert_same_logprobs(ours, ref):
-    """Per position the same tokens and ranks in the same order, the values within 1e-5."""
+    """Per position the same tokens and ranks in the same order, the values within
+    ``LOGPROB_TOL``."""
     assert [[(t, r) for t, _, r in pos] for pos in ours] == [
         [(t, r) for t, _, r in pos] for pos in ref
     ]
     flat = [v for pos in ours for _, v, _ in pos]
-    assert flat == pytest.approx([v for pos in ref for _, v, _ in pos], abs=1e-5)
+    assert flat == pytest.approx([v for pos in ref for _, v, _ in pos], abs=LOGPROB_TOL)
 
 
 def test_pp2_logprobs_and_n_equal_pp1(pp2, llama_dir):
@@ -255,7 +263,9 @@ def test_torchrun_logprobs_n_and_penalties_equal_pp1(llama_dir, tmp_path):
                 [(e["token_id"], e["logprob"], e["rank"]) for e in pos] for pos in c["logprobs"]
             ]
             _assert_same_logprobs(values, _logprob_values(cr))
-            assert c["cumulative_logprob"] == pytest.approx(cr.cumulative_logprob)
+            assert c["cumulative_logprob"] == pytest.approx(
+                cr.cumulative_logprob, abs=LOGPROB_TOL * len(c["token_ids"])
+            )
     assert records[0]["completions"][0]["token_ids"] != records[0]["completions"][1]["token_ids"]
 
 
