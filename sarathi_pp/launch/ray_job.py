@@ -8,6 +8,7 @@ with the stages forced onto Ray actors.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -19,6 +20,21 @@ from sarathi_pp.cli.common import PROG
 # ``ray job submit --working-dir D`` runs the job inside Ray's copy of D:
 # <session>/runtime_resources/working_dir_files/_ray_pkg_<hash>/
 RAY_WORKING_DIR_COPY = "working_dir_files"
+RAY_JOB_PROG = "python -m sarathi_pp.launch.ray_job"
+
+
+def usage() -> str:
+    """``sarathi-pp generate``'s help under this entry point's name (its flags are
+    generate's), and what differs: the stages always run as Ray actors."""
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    generate = subcommands.choices["generate"]
+    generate.prog = RAY_JOB_PROG
+    return (
+        generate.format_help()
+        + f"\n{RAY_JOB_PROG} is {PROG} generate with the stages on Ray actors "
+        "(parallel.executor=ray), connected to RAY_ADDRESS inside a Ray job.\n"
+    )
 
 
 def check_written_paths(argv: list[str], cwd: Path) -> None:
@@ -39,6 +55,9 @@ def check_written_paths(argv: list[str], cwd: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(usage(), end="")
+        return 0
     try:
         check_written_paths(argv, Path.cwd())
     except ValueError as e:

@@ -246,6 +246,16 @@ def test_a_run_that_is_stopping_holds_further_signals():
         common._received[:] = saved
 
 
+def test_ray_job_help_names_its_own_command(capsys):
+    from sarathi_pp.launch.ray_job import main
+
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: python -m sarathi_pp.launch.ray_job")
+    assert "sarathi-pp generate [" not in text and "--max-tokens" in text
+    assert "parallel.executor=ray" in text
+
+
 def test_ray_job_refuses_relative_outputs_in_ray_s_copy_of_the_working_dir(tmp_path):
     from pathlib import Path
 
