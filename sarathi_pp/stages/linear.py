@@ -151,6 +151,7 @@ _GEMM_SOURCE = r"""
 #define BIG_X (1 << 20)  /* floats of x above which rows go in chunks of MC, K in slices of KC_BIG */
 #define MC 128           /* a multiple of 16: the AVX-512 kernel's packed row blocks start at chunks */
 #define KC_BIG 512
+#define GROUP 4          /* panels per group (AVX-512, from GROUP_ROWS rows) */
 
 #if defined(__AVX512F__)
 /* AVX-512: 16 rows x 16 columns (one zmm accumulator per row, 16 of the 32 registers) per
@@ -190,7 +191,6 @@ static void panel(const float *xp, int64_t M, int64_t K, const float *wp, float 
    4 loads of W and 6 broadcasts of x for 24 FMAs, against 1 + 16 for 16 in micro() (see Note
    [the AVX-512 panel kernel's groups]). xp: a packed block ([K][ldx]) at this call's first
    row and at k = 0; wp: the first panel at k = 0, the others pstride floats apart. */
-#define GROUP 4
 #define GROUP_MR 6
 #define GROUP_ROWS 16
 static inline __attribute__((always_inline)) void micro4(const float *xp, int64_t ldx,
@@ -230,17 +230,6 @@ static void group(const float *xp, int64_t M, int64_t K, const float *wp, float 
             switch (n) { G(6) G(5) G(4) G(3) G(2) G(1) }
 #undef G
         }
-    }
-}
-/* Work unit u of a call: a group of GROUP panels (u < groups) or one of the panels after the
-   last whole group. */
-static inline void unit(const float *xp, int64_t M, int64_t K, const float *wp, float *y,
-                        int64_t N, int64_t groups, int64_t u, int64_t k0, int64_t kc) {
-    if (u < groups)
-        group(xp, M, K, wp + u * GROUP * K * NR, y + u * GROUP * NR, N, k0, kc);
-    else {
-        const int64_t p = groups * GROUP + (u - groups);
-        panel(xp, M, K, wp + p * K * NR, y + p * NR, N, k0, kc);
     }
 }
 /* x [M, K] -> xp: each block of up to 16 rows r0.. as [K][mr] at xp + r0 * K. */
@@ -297,6 +286,20 @@ static void panel(const float *x, int64_t M, int64_t K, const float *wp, float *
 }
 #endif
 
+/* Work unit u of a call: a group of GROUP panels (u < groups, AVX-512 only) or one of the
+   panels after the last whole group (every panel when groups = 0). */
+static inline void unit(const float *xp, int64_t M, int64_t K, const float *wp, float *y,
+                        int64_t N, int64_t groups, int64_t u, int64_t k0, int64_t kc) {
+#if defined(__AVX512F__)
+    if (u < groups) {
+        group(xp, M, K, wp + u * GROUP * K * NR, y + u * GROUP * NR, N, k0, kc);
+        return;
+    }
+#endif
+    const int64_t p = groups * GROUP + (u - groups);
+    panel(xp, M, K, wp + p * K * NR, y + p * NR, N, k0, kc);
+}
+
 /* y [M, N] = x [M, K] . W^T, W packed as wp [N / NR, K, NR]; N a multiple of NR. Returns 0, or
    1 when the packed copy of x could not be allocated (AVX-512). */
 int panel_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, float *y,
@@ -307,31 +310,17 @@ int panel_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_
     float *xp = malloc(sizeof(float) * (size_t)(M * K));
     if (xp == NULL) return 1;
     pack_x(x, M, K, xp, num_threads);
-    if (M >= GROUP_ROWS) {  /* groups of panels (Note [the AVX-512 panel kernel's groups]) */
-        const int64_t groups = panels / GROUP, units = groups + panels % GROUP;
-        if (M * K <= BIG_X) {
-            #pragma omp parallel for schedule(static) num_threads(num_threads) if(num_threads > 1)
-            for (int64_t u = 0; u < units; u++) unit(xp, M, K, wp, y, N, groups, u, 0, K);
-        } else {  /* rows in chunks of MC, K in slices of KC_BIG, as below */
-            #pragma omp parallel num_threads(num_threads) if(num_threads > 1)
-            for (int64_t r0 = 0; r0 < M; r0 += MC)
-                for (int64_t k0 = 0; k0 < K; k0 += KC_BIG) {
-                    const int64_t mc = M - r0 < MC ? M - r0 : MC, kcb = K - k0 < KC_BIG ? K - k0 : KC_BIG;
-                    #pragma omp for schedule(static)
-                    for (int64_t u = 0; u < units; u++)
-                        unit(xp + r0 * K, mc, K, wp, y + r0 * N, N, groups, u, k0, kcb);
-                }
-        }
-        free(xp);
-        return 0;
-    }
+    /* from GROUP_ROWS rows, groups of panels (Note [the AVX-512 panel kernel's groups]) */
+    const int64_t groups = M >= GROUP_ROWS ? panels / GROUP : 0;
 #else
     const float *xp = x;
+    const int64_t groups = 0;
 #endif
+    const int64_t units = groups + (panels - groups * GROUP);
     if (M * K <= BIG_X) {
         #pragma omp parallel for schedule(static) num_threads(num_threads) if(num_threads > 1)
-        for (int64_t p = 0; p < panels; p++)  /* all of K at once (Note [the panel's K slices]) */
-            panel(xp, M, K, wp + p * K * NR, y + p * NR, N, 0, K);
+        for (int64_t u = 0; u < units; u++)  /* all of K at once (Note [the panel's K slices]) */
+            unit(xp, M, K, wp, y, N, groups, u, 0, K);
     } else {
         /* Many rows (x above 4 MB): every panel reading all of x would stream it from L3 or
            memory once per panel (down at 2048 rows: 0.5-0.66x oneDNN). Instead rows in
@@ -343,8 +332,8 @@ int panel_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_
             for (int64_t k0 = 0; k0 < K; k0 += KC_BIG) {
                 const int64_t mc = M - r0 < MC ? M - r0 : MC, kcb = K - k0 < KC_BIG ? K - k0 : KC_BIG;
                 #pragma omp for schedule(static)
-                for (int64_t p = 0; p < panels; p++)
-                    panel(xp + r0 * K, mc, K, wp + p * K * NR, y + r0 * N + p * NR, N, k0, kcb);
+                for (int64_t u = 0; u < units; u++)
+                    unit(xp + r0 * K, mc, K, wp, y + r0 * N, N, groups, u, k0, kcb);
             }
     }
 #if defined(__AVX512F__)
