@@ -40,17 +40,19 @@ def processed_logits(
     params: list[SamplingParams],
     num_outputs: list[int],
     eos_token_ids: tuple[int, ...],
+    in_place: bool = False,
 ) -> torch.Tensor:
     """``logit_bias`` added, and the EOS and stop tokens ruled out while a row has fewer
-    than ``min_tokens`` outputs (vLLM's). ``logits`` itself when no row asks (else a copy:
-    log-probabilities are reported from the raw logits)."""
+    than ``min_tokens`` outputs (vLLM's). ``logits`` itself when no row asks, else a copy
+    (log-probabilities are reported from the raw logits); ``in_place``: ``logits`` is the
+    caller's own copy already (penalized), changed and returned."""
     rows = [
         i for i, p in enumerate(params)
         if p.logit_bias or num_outputs[i] < p.min_tokens
     ]  # fmt: skip
     if not rows:
         return logits
-    out = logits.clone()
+    out = logits if in_place else logits.clone()
     vocab = logits.shape[-1]
     for i in rows:
         p = params[i]

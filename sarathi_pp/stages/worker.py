@@ -153,8 +153,8 @@ class StageWorker:
         params = [c.sampling_params for c in chunks]
         num_outputs = [c.num_output_tokens for c in chunks]
         sampling_logits, penalized = self._penalized(logits, chunks, result)
-        sampling_logits = processed_logits(
-            sampling_logits, params, num_outputs, self.spec.eos_token_ids
+        sampling_logits = processed_logits(  # penalized rows: a copy already, changed in place
+            sampling_logits, params, num_outputs, self.spec.eos_token_ids, in_place=bool(penalized)
         )
         tokens = sample(sampling_logits, params, num_outputs)
         for i in penalized:

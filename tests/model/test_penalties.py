@@ -111,6 +111,25 @@ def test_presence_and_frequency_penalties_match_the_reference(llama_dir):
                 assert_greedy_match(out.outputs[0].token_ids, ref, margins)
 
 
+def test_penalties_with_logit_bias_report_the_raw_logprobs(llama_dir):
+    """A penalized row's logits are a copy that ``logit_bias`` then changes in place: the
+    reported log-probabilities stay the raw model's (the same as with the bias alone, where
+    the bias works on a copy of its own)."""
+    prompts = make_prompts(seed=11, lens=(4, 20))
+    common = dict(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1, logit_bias={5: 100})
+    with LLM(str(llama_dir), chunk_size=16, tile_align=False, **KW) as llm:
+        both = llm.generate(
+            prompts, SamplingParams(repetition_penalty=1.7, frequency_penalty=0.5, **common),
+            use_tqdm=False,
+        )  # fmt: skip
+        bias = llm.generate(prompts, SamplingParams(**common), use_tqdm=False)
+    for a, b in zip(both, bias):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == [5] * 6
+        raw = [pos[5].logprob for pos in b.outputs[0].logprobs]
+        assert [pos[5].logprob for pos in a.outputs[0].logprobs] == pytest.approx(raw, abs=1e-6)
+        assert all(v < -1e-3 for v in raw)  # the model's own, not the biased logit's ~0
+
+
 def test_penalties_survive_preemption(llama_dir):
     params = SamplingParams(
         max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, frequency_penalty=1.0,

@@ -70,3 +70,7 @@ def test_logit_bias_and_min_tokens():
     assert torch.equal(out[2], logits[2]) and torch.equal(out[3], logits[3])  # 3 >= min_tokens
     assert torch.equal(logits, LOGITS.repeat(4, 1))  # the raw logits stay
     assert processed_logits(logits, params[3:], [0], (0,)) is logits  # nothing asked: no copy
+    # the caller's own copy (penalized logits): changed in place, the same values as a copy
+    own = logits.clone()
+    assert processed_logits(own, params, [0, 2, 3, 0], (0,), in_place=True) is own
+    assert torch.equal(own, out)
