@@ -115,16 +115,13 @@ def loop_costs(log: RunLog) -> dict[str, float]:
     # takes tokens of); else the last one whose tokens the driver had when it began to
     # schedule k (the one that freed k's slot; in the decode-only tail, with fewer in
     # flight, not the one M before)
-    dones = [(t, mb) for mb, t in log.dones]
-    done_times = [t for t, _ in dones]
+    done_times = [t for _, t in log.dones]  # log.dones: (mb, t) by t
     source: dict[int, int] = {}
     for k, i in issues.items():
         if i.ring is not None:
             source[k] = i.ring
-        else:
-            n = bisect.bisect_right(done_times, i.t)
-            if n:
-                source[k] = dones[n - 1][1]
+        elif n := bisect.bisect_right(done_times, i.t):
+            source[k] = log.dones[n - 1][0]
     # stage 0 can start k: it has k (input_ready) and, scheduled ahead, the ring's tokens
     # (its wait for them ends at compute_start)
     can_start = {k: e.compute_start if issues.get(k) and issues[k].ring is not None
