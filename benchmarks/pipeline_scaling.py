@@ -106,6 +106,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="PP=1 and the pipelined run alternated this many times: each pair's ratio, "
         "their median and range (the tables are the last pair's)",
     )
+    p.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="also run two PP=1 engines at once in two processes (each the whole workload, "
+        "one thread each), after each pair: the throughput two cores give with no pipeline "
+        "at all, i.e. this machine's bound for any split of the work over two cores",
+    )
     args = p.parse_args(argv)
     args.schedule_ahead = {"true": True, "false": False}.get(args.schedule_ahead, "auto")
     for name in ("num_stages", "threads_per_stage", "chunk_size", "repeat"):
@@ -120,14 +127,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # through ``actor.__ray_call__`` (runs a function on the actor instance, queued after its
 # earlier calls); the actor's own ``run`` is looked up on the class by Ray, but what it calls
 # (``self.worker.execute``, ``self.transport.recv/send``) goes through the instances.
-def _wrap(obj: object, name: str, spans: list[Span]) -> None:
+def _wrap(obj: object, name: str, spans: list[Span], cpu: list[Span] | None = None) -> None:
+    """Record each call's ``time.monotonic()`` span in ``spans``, and its calling thread's
+    CPU time span (``time.thread_time()``) in ``cpu`` if given: wall minus CPU is the time
+    the thread was off a core (preempted, or blocked)."""
     inner = getattr(obj, name)
 
     def timed(*args, **kwargs):
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.thread_time()
         try:
             return inner(*args, **kwargs)
         finally:
+            if cpu is not None:
+                cpu.append((c0, time.thread_time()))
             spans.append((t0, time.monotonic()))
 
     setattr(obj, name, timed)
@@ -136,8 +148,8 @@ def _wrap(obj: object, name: str, spans: list[Span]) -> None:
 def install_stage_probes(stage) -> tuple[int, int]:
     """Runs inside a ``PipelineStage`` actor: time execute/recv/send; returns its torch
     threads and its niceness."""
-    stage._bench_spans = {"execute": [], "recv": [], "send": []}
-    _wrap(stage.worker, "execute", stage._bench_spans["execute"])
+    stage._bench_spans = {"execute": [], "execute_cpu": [], "recv": [], "send": []}
+    _wrap(stage.worker, "execute", stage._bench_spans["execute"], stage._bench_spans["execute_cpu"])
     if stage.transport is not None:  # none under ray_compiled: the graph's channels
         if not stage.stage.is_first:
             _wrap(stage.transport, "recv", stage._bench_spans["recv"])
@@ -154,6 +166,50 @@ def take_stage_spans(stage) -> dict[str, list[Span]]:
     return spans
 
 
+def proc_stat() -> dict[str, float]:
+    """The machine's CPU seconds so far by kind, summed over CPUs (``/proc/stat``'s first
+    line; ``steal``: time the hypervisor ran something else while a vCPU had work). Empty
+    where there is no ``/proc/stat``."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:9]
+    except OSError:
+        return {}
+    hz = os.sysconf("SC_CLK_TCK")
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    return {n: int(v) / hz for n, v in zip(names, fields, strict=True)}
+
+
+def thread_cpu() -> dict[tuple[int, int], tuple[str, str, float]]:
+    """Every thread's CPU seconds so far (``/proc/*/task/*/stat``: user + system), by (pid,
+    tid), with its process's and its own name (``comm``). Empty without ``/proc``."""
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    for task in Path("/proc").glob("[0-9]*/task/[0-9]*"):
+        try:
+            stat = (task / "stat").read_text()
+            proc = (task.parent.parent / "comm").read_text().strip()
+        except OSError:  # gone meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :]
+        fields = rest.split()  # from field 3 (state); utime, stime are fields 14, 15
+        out[(int(task.parent.parent.name), int(task.name))] = (
+            proc, name, (int(fields[11]) + int(fields[12])) / hz,
+        )  # fmt: skip
+    return out
+
+
+def thread_cpu_delta(before, after) -> dict[tuple[str, str], float]:
+    """CPU seconds per (process name, thread name) between two ``thread_cpu()`` snapshots
+    (threads born in between count from zero)."""
+    delta: dict[tuple[str, str], float] = {}
+    for key, (proc, name, cpu) in after.items():
+        d = cpu - (before[key][2] if key in before else 0.0)
+        if d > 0:
+            delta[(proc, name)] = delta.get((proc, name), 0.0) + d
+    return delta
+
+
 @dataclass
 class RunResult:
     name: str
@@ -167,6 +223,9 @@ class RunResult:
     microbatches: list[tuple[str, int]] = field(
         default_factory=list
     )  # (kind, num_tokens) per micro-batch
+    machine_cpu: dict[str, float] = field(default_factory=dict)  # proc_stat() over generate
+    driver_cpu_s: float = 0.0  # this process's CPU time over generate (all its threads)
+    threads_cpu: dict[tuple[str, str], float] = field(default_factory=dict)  # thread_cpu_delta
 
 
 def install_driver_probes(llm: LLM, result: RunResult) -> None:
@@ -269,8 +328,9 @@ def _run_one(
             calls = [a.__ray_call__.remote(install_stage_probes) for a in actors]
             result.stage_threads, result.stage_nice = map(list, zip(*ray.get(calls)))
         else:
-            result.stage_spans = [{"execute": [], "recv": [], "send": []}]
-            _wrap(llm.engine.executor.worker, "execute", result.stage_spans[0]["execute"])
+            sp = {"execute": [], "execute_cpu": [], "recv": [], "send": []}
+            result.stage_spans = [sp]
+            _wrap(llm.engine.executor.worker, "execute", sp["execute"], sp["execute_cpu"])
             result.stage_threads, result.stage_nice = [torch.get_num_threads()], [os.nice(0)]
         install_driver_probes(llm, result)
         prompts = [list(r.prompt_token_ids) for r in requests]
@@ -278,16 +338,107 @@ def _run_one(
             SamplingParams(temperature=0.0, max_tokens=r.output_tokens, ignore_eos=True)
             for r in requests
         ]
-        t0 = time.monotonic()
+        threads0 = thread_cpu()
+        stat0, p0, t0 = proc_stat(), time.process_time(), time.monotonic()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        t1 = time.monotonic()
+        t1, p1, stat1 = time.monotonic(), time.process_time(), proc_stat()
+        result.threads_cpu = thread_cpu_delta(threads0, thread_cpu())
         result.wall_s, result.window = t1 - t0, (t0, t1)
+        result.driver_cpu_s = p1 - p0
+        result.machine_cpu = {k: stat1[k] - stat0[k] for k in stat0}
         result.tokens = [o.outputs[0].token_ids for o in outputs]
         if actors:
             result.stage_spans = ray.get([a.__ray_call__.remote(take_stage_spans) for a in actors])
         return result
     finally:
         llm.shutdown()
+
+
+# Note [side by side]: two PP=1 engines in two processes, each running the whole workload
+# at once, one thread each. Their combined throughput over one PP=1 run's is what two cores
+# give when nothing is shared but the machine (memory bus, caches, the hypervisor's other
+# tenants): no driver between them, no transfers, no pipeline fill or drain. A PP=2 run
+# splits the same work over the same two cores and adds a driver on top, so its ratio
+# stays below this bound; how far below is the runtime's share. Both processes build and
+# warm their engine, meet at a barrier, then time ``generate``; the window runs from the
+# first start to the last end (``time.monotonic()``: one clock for every process).
+def _side_by_side_worker(args, requests, warm, barrier, queue) -> None:
+    torch.set_num_threads(args.threads_per_stage)
+    max_len = max(seq_len(r) for r in requests)
+    llm = build_llm(args, 1, num_kv_blocks_for(requests), max_len)
+    try:
+        llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                     use_tqdm=False)  # fmt: skip
+        spans: list[Span] = []
+        _wrap(llm.engine.executor.worker, "execute", spans)
+        prompts = [list(r.prompt_token_ids) for r in requests]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=r.output_tokens, ignore_eos=True)
+            for r in requests
+        ]
+        barrier.wait()
+        t0 = time.monotonic()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        t1 = time.monotonic()
+        queue.put((t0, t1, total(spans), [o.outputs[0].token_ids for o in outputs]))
+    finally:
+        llm.shutdown()
+
+
+@dataclass
+class SideBySide:
+    walls: list[float]  # each process's generate wall
+    window_s: float  # first start to last end
+    compute_s: list[float]  # each process's execute spans summed
+    tokens: list[list[list[int]]]  # per process, per request
+
+    def ratio(self, base: RunResult) -> float:
+        """Two runs' throughput over one PP=1 run's (``base``, run alone in this process)."""
+        return 2 * base.wall_s / self.window_s
+
+
+def run_side_by_side(args: argparse.Namespace, requests, warm) -> SideBySide:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # no fork of this process's torch threads or Ray state
+    barrier, queue = ctx.Barrier(2), ctx.Queue()
+    procs = [
+        ctx.Process(target=_side_by_side_worker, args=(args, requests, warm, barrier, queue))
+        for _ in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    results = [queue.get(timeout=3600) for _ in procs]
+    for proc in procs:
+        proc.join()
+        if proc.exitcode:
+            raise SystemExit(f"side-by-side PP=1 process exited with {proc.exitcode}")
+    return SideBySide(
+        walls=[t1 - t0 for t0, t1, _, _ in results],
+        window_s=max(r[1] for r in results) - min(r[0] for r in results),
+        compute_s=[r[2] for r in results],
+        tokens=[r[3] for r in results],
+    )
+
+
+def print_side_by_side(pairs: list[list[RunResult]], sides: list[SideBySide]) -> None:
+    for pair, side in zip(pairs, sides, strict=True):
+        base, pp = pair
+        same = all(t == base.tokens for t in side.tokens)
+        print(
+            f"2 x PP=1 side by side: walls {', '.join(f'{w:.2f}' for w in side.walls)} s "
+            f"(alone {base.wall_s:.2f} s), compute {', '.join(f'{c:.2f}' for c in side.compute_s)} s "
+            f"(alone {total(base.stage_spans[0]['execute']):.2f} s): {side.ratio(base):.2f}x "
+            f"PP=1's throughput (the two-core bound); {pp.name} {throughput_ratio(pair):.2f}x = "
+            f"{throughput_ratio(pair) / side.ratio(base):.0%} of it; outputs "
+            + ("identical to PP=1's" if same else "DIFFER from PP=1's")
+        )
+    if len(sides) > 1:
+        bounds = [s.ratio(p[0]) for p, s in zip(pairs, sides, strict=True)]
+        print(
+            f"two-core bound over {len(sides)} runs: median {statistics.median(bounds):.2f}x, "
+            f"range {min(bounds):.2f}-{max(bounds):.2f}x"
+        )
 
 
 # --- report ----------------------------------------------------------------------------------
@@ -388,7 +539,8 @@ def print_kinds(runs: list[RunResult]) -> None:
     """Micro-batches by kind, with each stage's compute on them: more in-flight micro-batches split
     the same decodes over more micro-batches (a sequence is in at most one micro-batch at a time)."""
     print(
-        f"{'micro-batches':<6} {'kind':<8} {'count':>6} {'tokens':>7}  compute s per stage (ms/micro-batch)"
+        f"{'micro-batches':<6} {'kind':<8} {'count':>6} {'tokens':>7}  compute s per stage "
+        "(ms/micro-batch) and the computing thread's CPU s in it"
     )
     for r in runs:
         for kind in ("prefill", "hybrid", "decode"):
@@ -397,9 +549,10 @@ def print_kinds(runs: list[RunResult]) -> None:
                 continue
             per_stage = []
             for sp in r.stage_spans:
-                ex = sp["execute"]
+                ex, cpu = sp["execute"], sp.get("execute_cpu", [])
                 secs = sum(ex[i][1] - ex[i][0] for i in idx if i < len(ex))
-                per_stage.append(f"{secs:7.2f} ({1e3 * secs / len(idx):6.1f})")
+                cpu_s = sum(cpu[i][1] - cpu[i][0] for i in idx if i < len(cpu))
+                per_stage.append(f"{secs:7.2f} ({1e3 * secs / len(idx):6.1f}) cpu {cpu_s:6.2f}")
             tokens = sum(r.microbatches[i][1] for i in idx)
             print(f"{r.name:<6} {kind:<8} {len(idx):>6} {tokens:>7}  " + "  ".join(per_stage))
 
@@ -415,6 +568,36 @@ def print_driver(runs: list[RunResult]) -> None:
         print(
             f"{r.name:<6} {d['schedule']:>10.2f} {d['submit']:>9.2f} {d['wait']:>7.2f} "
             f"{d['apply']:>8.2f} {other:>8.2f} {len(r.driver_spans['submit']):>8}"
+        )
+
+
+def print_cpu(runs: list[RunResult]) -> None:
+    """Where the machine's CPU time went over each timed ``generate`` (``/proc/stat``): the
+    stages' compute (their threads' CPU time inside ``execute``), the driver's process
+    (under PP=1 the compute too), everything else (the stage processes outside
+    ``execute``, Ray's processes, the OS), idle, and the hypervisor's steal."""
+    if not all(r.machine_cpu for r in runs):
+        return
+    print(
+        f"{'cpu s':<6} {'window':>7} {'busy':>7} {'compute':>8} {'driver':>7} {'other':>7} "
+        f"{'idle':>7} {'steal':>7}"
+    )
+    for r in runs:
+        m = r.machine_cpu
+        busy = sum(m[k] for k in ("user", "nice", "system", "irq", "softirq"))
+        compute = sum(total(sp.get("execute_cpu", [])) for sp in r.stage_spans)
+        in_driver = compute if len(r.stage_spans) == 1 else 0.0  # PP=1 computes in-process
+        driver = r.driver_cpu_s - in_driver
+        print(
+            f"{r.name:<6} {len(os.sched_getaffinity(0)) * r.wall_s:>7.2f} {busy:>7.2f} "
+            f"{compute:>8.2f} {driver:>7.2f} {busy - compute - driver:>7.2f} "
+            f"{m['idle'] + m['iowait']:>7.2f} {m['steal']:>7.2f}"
+        )
+    for r in runs:  # the threads that took the most, as the kernel counts (1/100 s ticks)
+        top = sorted(r.threads_cpu.items(), key=lambda kv: -kv[1])[:8]
+        print(
+            f"{r.name} busiest threads (process/thread: CPU s): "
+            + ", ".join(f"{p}/{t}: {c:.2f}" for (p, t), c in top)
         )
 
 
@@ -452,9 +635,11 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.executor}, schedule_ahead {args.schedule_ahead}; KV caches "
         + ("mapped at start-up (--prefault)" if args.prefault else "mapped as first written")
     )
-    pairs = []
+    pairs, sides = [], []
     for i in range(args.repeat):  # alternated: a slow spell of the machine hits both sides
         pairs.append([run_one(args, n, requests, warm) for n in (1, args.num_stages)])
+        if args.side_by_side:
+            sides.append(run_side_by_side(args, requests, warm))
         if args.repeat > 1:
             base, pp = pairs[-1]
             print(f"pair {i + 1}/{args.repeat}: {base.name} {base.wall_s:.2f} s, {pp.name} "
@@ -465,10 +650,13 @@ def main(argv: list[str] | None = None) -> None:
     print_stages(runs)
     print_kinds(runs)
     print_driver(runs)
+    print_cpu(runs)
     for pair in pairs:
         check_outputs(pair, requests)
     if args.repeat > 1:
         print_repeats(pairs)
+    if sides:
+        print_side_by_side(pairs, sides)
     print(f"load avg (1 min) at the end: {load_average()}")
 
 

@@ -1,7 +1,10 @@
 """``benchmarks/pipeline_scaling.py --quick --repeat 2`` (its short version): PP=1 and PP=2
 alternated twice on the embedded model, every pair's outputs as requested and identical,
 and the summary line names both pairs' ratios with their median and range; each pair's
-ratio is under its ceiling (PP=1's wall over the least time PP=2's compute allows)."""
+ratio is under its ceiling (PP=1's wall over the least time PP=2's compute allows). With
+``--side-by-side``, two PP=1 engines in two processes after each pair: their outputs equal
+PP=1's and the two-core bound is printed for each pair; the CPU table accounts for the
+machine's time over each run."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_quick_pipeline_scaling_alternates_the_pairs():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "pipeline_scaling.py"), "--quick",
-         "--repeat", "2"],
+         "--repeat", "2", "--side-by-side"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
     out = proc.stdout
@@ -36,3 +39,16 @@ def test_quick_pipeline_scaling_alternates_the_pairs():
     assert summary, out
     median, low, high = map(float, summary.groups())
     assert low == min(pairs) and high == max(pairs) and low <= median <= high, out
+    sides = re.findall(
+        r"^2 x PP=1 side by side: .*: ([0-9.]+)x PP=1's throughput .*; outputs (.*)$", out, re.M
+    )
+    assert len(sides) == 2, out
+    assert all(float(b) > 0 and same == "identical to PP=1's" for b, same in sides), out
+    assert re.search(r"^two-core bound over 2 runs: median [0-9.]+x", out, re.M), out
+    # every run's CPU accounting: the stages' compute is part of the machine's busy time
+    table = out[out.index("\ncpu s ") :].splitlines()[2:4]
+    cpu = [
+        re.match(r"(PP=[12]) +([0-9.]+) +([0-9.]+) +([0-9.]+) ", line).groups() for line in table
+    ]
+    assert [name for name, *_ in cpu] == ["PP=1", "PP=2"], out
+    assert all(0 < float(compute) <= float(busy) + 0.05 for _, _, busy, compute in cpu), out

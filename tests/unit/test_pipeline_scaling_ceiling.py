@@ -37,3 +37,37 @@ def test_ceiling_ratio_is_pp1_wall_over_the_least_pipelined_wall():
     pp = RunResult("PP=2", wall_s=10.0)
     pp.stage_spans = [{"execute": spans(1, 2, 2, 2)}, {"execute": spans(2, 2, 2, 1)}]
     assert ceiling_ratio([base, pp]) == pytest.approx(2.0)  # 16 / 8, not 16 / 7 nor 16 / 10
+
+
+def test_thread_cpu_delta_counts_new_threads_from_zero_and_sums_by_name():
+    from pipeline_scaling import thread_cpu_delta
+
+    before = {(1, 1): ("python", "python", 5.0), (1, 2): ("python", "worker", 1.0),
+              (9, 9): ("gone", "gone", 3.0)}  # fmt: skip
+    after = {(1, 1): ("python", "python", 7.5), (1, 2): ("python", "worker", 1.0),
+             (1, 3): ("python", "worker", 0.5), (2, 2): ("ray::Stage", "ray::Stage", 4.0)}  # fmt: skip
+    # a thread that ended is not in the second snapshot; an idle one drops out
+    assert thread_cpu_delta(before, after) == {
+        ("python", "python"): 2.5, ("python", "worker"): 0.5, ("ray::Stage", "ray::Stage"): 4.0
+    }  # fmt: skip
+
+
+def test_thread_cpu_sees_this_thread_work():
+    import time
+
+    from pipeline_scaling import thread_cpu, thread_cpu_delta
+
+    before = thread_cpu()
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < 0.3:  # 30 ticks of the kernel's 1/100 s
+        pass
+    delta = thread_cpu_delta(before, thread_cpu())
+    assert max(delta.values()) >= 0.2, delta
+
+
+def test_side_by_side_bound_is_two_runs_over_the_window():
+    from pipeline_scaling import SideBySide
+
+    base = RunResult("PP=1", wall_s=10.0)
+    side = SideBySide(walls=[11.0, 10.5], window_s=11.0, compute_s=[10.9, 10.4], tokens=[[], []])
+    assert side.ratio(base) == pytest.approx(20.0 / 11.0)
