@@ -23,8 +23,21 @@ throughput ratio and the pipeline efficiency = PP=1 wall / (stages x PP=2
 wall) (1.0 = perfect scaling), and the ratio's ceiling on this machine: PP=1's wall over
 the least time the PP=2 stages' measured compute allows (``least_wall_s``: every stage
 busy from the pipeline's fill to its drain, no time of the runtime's own). The compute
-itself is the machine's: decode-only steps read every weight once per micro-batch, and
-two stages reading at once share the memory bus.
+itself is the machine's and the workload's: a decode-only micro-batch reads all of a
+stage's weights whatever its size, so the decode-only tail (the last prompts' decodes, with
+no prefill left to ride on) runs no faster on two stages than on one.
+
+``--side-by-side`` (Note [side by side]) adds, after each pair, two PP=1 engines in two
+processes running the whole workload at once: the throughput two cores give with no
+pipeline, i.e. the machine's bound for any split of the work over two cores (shared caches,
+memory bus and the hypervisor included, the runtime excluded).
+
+Where the machine's CPU time went in each run (``/proc``, Linux): the stages' compute (their
+threads' CPU time inside ``execute``, also per micro-batch kind beside its wall time: wall
+minus CPU is time the compute thread was off its core), the driver's process, everything
+else (the stage processes outside ``execute``, Ray's own processes, the kernel), idle, and
+``steal``: time the hypervisor gave a vCPU with work to another guest. Steal slows whichever
+run it falls in, so a pair's ratio moves with it; each pair's line shows both runs' steal.
 
 Where the time goes (Note [probes]): the script wraps, on instances only (no library file
 is changed), ``StageWorker.execute`` (metadata + layers + sampler: the stage's compute),
@@ -644,7 +657,8 @@ def main(argv: list[str] | None = None) -> None:
             base, pp = pairs[-1]
             print(f"pair {i + 1}/{args.repeat}: {base.name} {base.wall_s:.2f} s, {pp.name} "
                   f"{pp.wall_s:.2f} s: {throughput_ratio(pairs[-1]):.2f}x (ceiling "
-                  f"{ceiling_ratio(pairs[-1]):.2f}x)", flush=True)  # fmt: skip
+                  f"{ceiling_ratio(pairs[-1]):.2f}x); steal {base.machine_cpu.get('steal', 0):.2f}"
+                  f" / {pp.machine_cpu.get('steal', 0):.2f} s", flush=True)  # fmt: skip
     runs = pairs[-1]
     print_throughput(runs, num_prompt_tokens, num_output_tokens)
     print_stages(runs)

@@ -24,7 +24,9 @@ def test_quick_pipeline_scaling_alternates_the_pairs():
     )  # fmt: skip
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
-    found = re.findall(r"^pair \d/2: .*: ([0-9.]+)x \(ceiling ([0-9.]+)x\)$", out, re.M)
+    found = re.findall(
+        r"^pair \d/2: .*: ([0-9.]+)x \(ceiling ([0-9.]+)x\); steal [0-9.]+ / [0-9.]+ s$", out, re.M
+    )
     pairs = [float(r) for r, _ in found]
     assert len(pairs) == 2 and all(r > 0 for r in pairs), out
     # no run beats the least wall its own compute spans allow (fill and drain included)
