@@ -243,7 +243,12 @@ class Scheduler(ABC):
         """Micro-batches issued whose results will never come (an interrupted step, a lost
         stage): ``microbatches`` must be every one in flight. Each sequence they hold is
         recomputed from its prompt and the tokens it has (preempted by recompute, so its
-        output is unchanged); a finished one is freed. Returns the sequences requeued."""
+        output is unchanged); a finished one is freed. The sequences they told the last
+        stage to forget (``released``) go with the next micro-batch instead: a stage that
+        survived would otherwise keep their penalty state for good. Returns the sequences
+        requeued."""
+        lost_released = [i for mb in microbatches for i in mb.released]
+        self._released[:0] = [i for i in lost_released if i not in self._released]
         ids = {c.seq_id for mb in microbatches for c in mb.chunks}
         held = {i: self.seqs[i] for i in sorted(ids) if i in self.seqs}  # freed ones are gone
         requeued = []

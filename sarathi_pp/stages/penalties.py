@@ -9,7 +9,9 @@ penalized sequences, as vLLM's workers keep a persistent batch:
 - each token sampled is added (at its position: a micro-batch run again after a failure
   leaves the state as one run would);
 - a decode finds its tokens there (its input token is the one sampled before);
-- ``MicroBatch.released`` names the sequences that have finished: they are forgotten.
+- ``MicroBatch.released`` names the sequences that have finished: they are forgotten (a
+  micro-batch lost on the way hands its ``released`` to the next one:
+  ``Scheduler.on_microbatches_lost``).
 A replaced stage starts empty; the engine recomputes every sequence it held, and each
 recompute's last chunk brings the history again. A decode whose tokens are not there
 fails its request alone, naming why (it would be a bug, not a user's mistake).

@@ -1,7 +1,8 @@
 """Scheduling ahead (``parallel.schedule_ahead``) without a model: the scheduler's decodes of
 tokens still being sampled (``RING_TOKEN`` inputs, ``ring_from``), their bookkeeping
-through completion, stop and loss; ``fill_ring``; the setting's checks and resolution;
-the token ring's wait in the bubble report (``in_flight`` then ``ring``)."""
+through completion, stop and loss (and a lost micro-batch's ``released`` sequences);
+``fill_ring``; the setting's checks and resolution; the token ring's wait in the bubble
+report (``in_flight`` then ``ring``)."""
 
 from __future__ import annotations
 
@@ -233,3 +234,26 @@ def test_the_ring_wait_is_in_flight_then_ring():
     records[4], records[6] = idle(0.3, 3.3), idle(3.32, 6.0)
     records[10] = st(0, 3, "decode", 3.4, 4.4, ready=3.37)
     only(run(records).stages[0].bubbles_s, in_flight=0.1, ring=0.08, dispatch=0.02)
+
+
+def test_lost_microbatches_pass_their_released_sequences_to_the_next():
+    # a finished penalized sequence is forgotten by the last stage when a micro-batch names
+    # it in ``released``; if that micro-batch is lost, the next one must name it again
+    s = scheduler(in_flight=2)
+    penalized = SamplingParams(max_tokens=8, temperature=0.0, presence_penalty=1.0)
+    a = Sequence(0, "r0", [3, 4, 5], penalized, 0.0)
+    b = Sequence(1, "r1", [6, 7, 8, 9], penalized, 0.0)
+    s.add(a)
+    s.add(b)
+    mb0 = s.schedule(0.0)
+    assert mb0 is not None and set(mb0.sampled_seq_ids) == {0, 1} and mb0.released == ()
+    s.on_step_done(mb0, {0: 11, 1: 12}, 1.0)
+    s.finish(a, SequenceStatus.FINISHED_STOPPED, 1.0)
+    mb1 = s.schedule(1.0)
+    assert mb1 is not None and mb1.released == (0,)
+    s.on_microbatches_lost([mb1])
+    mb2 = s.schedule(2.0)
+    assert mb2 is not None and mb2.released == (0,)  # named again, once
+    s.on_step_done(mb2, {}, 3.0)
+    mb3 = s.schedule(3.0)
+    assert mb3 is None or mb3.released == ()  # and not again after it arrived
