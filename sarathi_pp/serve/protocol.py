@@ -8,6 +8,7 @@ shape), and the values themselves are checked once, by ``SamplingParams``.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,35 @@ _UNSUPPORTED: dict[str, Any] = {
     "parallel_tool_calls": lambda v: isinstance(v, bool),
     "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
 }
+
+
+# Every field a request may carry here (read, or refused above): anything else is ignored
+# with a warning naming it, as vLLM's server does (OpenAI's own fields it lacks, e.g.
+# ``metadata``, and a client's misspellings, e.g. ``max_token``, alike).
+_KNOWN_FIELDS = frozenset(
+    {
+        "model", "prompt", "messages", "stream", "stream_options", "max_tokens",
+        "max_completion_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed",
+        "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+        "logprobs", "top_logprobs", "echo", "min_tokens", "ignore_eos",
+        "include_stop_str_in_output", "skip_special_tokens", "user", *_UNSUPPORTED,
+    }
+)  # fmt: skip
+_MAX_NAMED = 16  # ignored fields named in one warning (a body is the client's to make)
+
+logger = logging.getLogger(__name__)
+
+
+def warn_ignored_fields(body: dict[str, Any]) -> list[str]:
+    """Log the fields of ``body`` this server does not read (vLLM's warning); returns them."""
+    ignored = sorted(str(k)[:64] for k in body if k not in _KNOWN_FIELDS)
+    if ignored:
+        more = f" and {len(ignored) - _MAX_NAMED} more" if len(ignored) > _MAX_NAMED else ""
+        logger.warning(
+            "The following fields were present in the request but ignored: %s%s",
+            ", ".join(ignored[:_MAX_NAMED]), more,
+        )  # fmt: skip
+    return ignored
 
 
 class ApiError(Exception):
@@ -251,6 +281,7 @@ def _common(body: Any, max_tokens_keys: tuple[str, ...], chat: bool) -> dict[str
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
     check_unsupported(body)
+    warn_ignored_fields(body)
     stream = _get(body, "stream", "bool", False)
     options = _get(body, "stream_options", "dict", {})
     include_usage = options.get("include_usage", False)

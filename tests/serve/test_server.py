@@ -5,6 +5,7 @@ background thread) over the tiny random Llama, driven by the official ``openai``
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import threading
 import time
@@ -422,6 +423,25 @@ def test_bad_requests_through_the_client(client) -> None:
         client.completions.create(model="nope", prompt="x")
     # ... and the server goes on serving
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text
+
+
+def test_unknown_fields_are_ignored_with_a_warning_naming_them(server, caplog) -> None:
+    body = {"prompt": "x", "max_tokens": 2, "max_token": 50, "metadata": {"a": "b"}, "user": "u"}
+    with caplog.at_level(logging.WARNING, logger="sarathi_pp.serve.protocol"):
+        r = _post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 2  # the misspelt field changed nothing
+    warnings = [m for m in caplog.messages if "present in the request but ignored" in m]
+    assert warnings == [
+        "The following fields were present in the request but ignored: max_token, metadata"
+    ]  # ``user`` is OpenAI's and known
+    caplog.clear()
+    many = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    many.update({f"f{i:02d}": i for i in range(20)})
+    with caplog.at_level(logging.WARNING, logger="sarathi_pp.serve.protocol"):
+        assert _post(server, "/v1/chat/completions", many).status_code == 200
+    (message,) = [m for m in caplog.messages if "ignored" in m]
+    assert message.endswith("f15 and 4 more") and "f16" not in message
 
 
 def test_api_key_is_required_on_v1_routes(server) -> None:
