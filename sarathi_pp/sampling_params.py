@@ -11,6 +11,16 @@ SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20  # vLLM's default ``max_logprobs``: most likely tokens per output token
 
 
+class SamplingParamsError(ValueError):
+    """A bad sampling parameter: ``param`` names the field (as ``SamplingParams`` spells
+    it), so a CLI can name its flag and a server the request's field without reading the
+    message."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop, per request.
@@ -24,7 +34,8 @@ class SamplingParams:
     ``n``: completions per prompt (``engine/parallel_sampling.py``); ``logprobs``:
     the log-probabilities of each sampled token and of the ``logprobs`` most likely.
 
-    Checked at construction (``ValueError`` naming the field and the value): integer fields
+    Checked at construction (``SamplingParamsError``, a ``ValueError``, naming the field and
+    the value, the field also in its ``param``): integer fields
     take any integer type (numpy's included; stored as ``int``) but not ``True``/``False``
     or floats such as ``3.0``; ``temperature`` and ``top_p`` must be finite real numbers.
     """
@@ -72,7 +83,9 @@ class SamplingParams:
             "skip_special_tokens",
         ):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise SamplingParamsError(
+                    name, f"{name} must be True or False, got {getattr(self, name)!r}"
+                )
         set_("stop", (self.stop,) if isinstance(self.stop, str) else _as_tuple("stop", self.stop))
         ids = _as_tuple("stop_token_ids", self.stop_token_ids)
         set_(
@@ -86,42 +99,57 @@ class SamplingParams:
 
     def _validate(self) -> None:
         if self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+            raise SamplingParamsError("n", f"n must be an integer >= 1, got {self.n!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(
-                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            raise SamplingParamsError(
+                "logprobs",
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
             )
         if self.use_beam_search:
-            raise ValueError("beam search is not supported")
+            raise SamplingParamsError("use_beam_search", "beam search is not supported")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
+            raise SamplingParamsError("seed", f"seed must be a 64-bit integer, got {self.seed}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise SamplingParamsError(
+                "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+            )
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            raise SamplingParamsError(
+                "min_tokens",
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
             )
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise SamplingParamsError(
+                "temperature", f"temperature must be >= 0, got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise SamplingParamsError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise SamplingParamsError(
+                    name, f"{name} must be in [-2, 2], got {getattr(self, name)}"
+                )
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise SamplingParamsError(
+                "repetition_penalty",
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            )
         if self.top_k < 0:
-            raise ValueError(
-                f"top_k must be 0 or -1 (off) or a positive integer, got {self.top_k!r}"
+            raise SamplingParamsError(
+                "top_k", f"top_k must be 0 or -1 (off) or a positive integer, got {self.top_k!r}"
             )
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+                raise SamplingParamsError(
+                    "stop", f"stop strings must be non-empty strings, got {s!r}"
+                )
         for t in self.stop_token_ids:
             if t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+                raise SamplingParamsError(
+                    "stop_token_ids", f"stop_token_ids must be non-negative integers, got {t!r}"
+                )
 
     @property
     def has_penalties(self) -> bool:
@@ -142,16 +170,20 @@ def _as_int(name: str, value: Any, what: str = "an integer") -> int:
     """``value`` as ``int``: any integer type (numpy's too), never a bool or a float."""
     # bool is an Integral, but True as a token count or a seed is always a mistake.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+        raise SamplingParamsError(
+            name, f"{name} must be {what}, got {value!r} ({type(value).__name__})"
+        )
     return int(value)
 
 
 def _as_finite(name: str, value: Any) -> float:
     """``value`` as ``float``: a finite real number (NaN would sample uniformly at random)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+        raise SamplingParamsError(
+            name, f"{name} must be a real number, got {value!r} ({type(value).__name__})"
+        )
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+        raise SamplingParamsError(name, f"{name} must be finite, got {value!r}")
     return float(value)
 
 
@@ -161,7 +193,7 @@ def _as_tuple(name: str, value: Any) -> tuple:
     try:
         return tuple(value)
     except TypeError:
-        raise ValueError(f"{name} must be a list, got {value!r}") from None
+        raise SamplingParamsError(name, f"{name} must be a list, got {value!r}") from None
 
 
 def _as_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -173,12 +205,15 @@ def _as_bias(value: Any) -> tuple[tuple[int, float], ...]:
         try:
             token, bias = item
         except (TypeError, ValueError):
-            raise ValueError(f"logit_bias must map token ids to numbers, got {item!r}") from None
+            raise SamplingParamsError(
+                "logit_bias", f"logit_bias must map token ids to numbers, got {item!r}"
+            ) from None
         token = _as_int("logit_bias", token, "a map from token ids (non-negative integers)")
         bias = _as_finite("logit_bias", bias)
         if token < 0 or not -100.0 <= bias <= 100.0:
-            raise ValueError(
-                f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {token}: {bias}"
+            raise SamplingParamsError(
+                "logit_bias",
+                f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {token}: {bias}",
             )
         pairs[token] = bias
     return tuple(sorted(pairs.items()))

@@ -25,7 +25,7 @@ from sarathi_pp.cli.common import (
 )
 from sarathi_pp.engine import EngineDeadError
 from sarathi_pp.executors import StageError
-from sarathi_pp.sampling_params import SamplingParams
+from sarathi_pp.sampling_params import SamplingParams, SamplingParamsError
 
 # Above this many prompts a progress bar is drawn even when stderr is not a terminal.
 PROGRESS_MIN_PROMPTS = 64
@@ -103,7 +103,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 # --- pieces that need no model --------------------------------------------------------------
-# SamplingParams' field -> the flag that sets it (its errors name the field first)
+# SamplingParams' field -> the flag that sets it (``SamplingParamsError.param``)
 SAMPLING_FLAGS = {
     "max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
     "top_k": "--top-k", "stop": "--stop", "n": "--num-completions", "min_p": "--min-p",
@@ -117,8 +117,8 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     """``SamplingParams`` from the flags; a ``ValueError`` names the flag."""
     try:
         return _sampling_params(args)
-    except ValueError as e:
-        flag = SAMPLING_FLAGS.get(str(e).split(" ", 1)[0])
+    except SamplingParamsError as e:
+        flag = SAMPLING_FLAGS.get(e.param)
         raise ValueError(f"{flag}: {e}" if flag else str(e)) from None
 
 

@@ -230,9 +230,8 @@ def sampling_params(
             stop=_stop(body),
             ignore_eos=_get(body, "ignore_eos", "bool", False),
         )
-    except (ValueError, TypeError) as e:
-        # SamplingParams' messages start with the field they are about
-        name = str(e).split(" ", 1)[0].split("=", 1)[0]
+    except (ValueError, TypeError) as e:  # SamplingParamsError names its field
+        name = getattr(e, "param", None)
         raise bad_request(str(e), name if name in body else None) from None
 
 

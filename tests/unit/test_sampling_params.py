@@ -1,10 +1,11 @@
-"""SamplingParams: vLLM's defaults and shape; unsupported or bad values raise ValueError."""
+"""SamplingParams: vLLM's defaults and shape; unsupported or bad values raise
+``SamplingParamsError`` (a ``ValueError``) naming the field in its message and ``param``."""
 
 from __future__ import annotations
 
 import pytest
 
-from sarathi_pp.sampling_params import SamplingParams
+from sarathi_pp.sampling_params import SamplingParams, SamplingParamsError
 
 
 def test_vllm_defaults():
@@ -45,11 +46,20 @@ def test_normalisation():
         (dict(seed="x"), "seed.*'x'"),
         (dict(stop=[""]), "stop strings"),
         (dict(stop_token_ids=[-1]), "stop_token_ids.*-1"),
+        (dict(stop=5), "stop must be a list, got 5"),
+        (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+        (dict(temperature=float("nan")), "temperature must be finite"),
+        (dict(ignore_eos="yes"), "ignore_eos must be True or False"),
     ],
 )
 def test_bad_values_raise_value_error_naming_them(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(SamplingParamsError, match=match) as e:
         SamplingParams(**kwargs)
+    assert isinstance(e.value, ValueError)
+    # the field, for a CLI's flag or a server's ``param``: the first one given here
+    expected = "use_beam_search" if "use_beam_search" in kwargs else next(iter(kwargs))
+    assert e.value.param == expected
 
 
 def test_boundary_values_are_accepted():
