@@ -20,6 +20,9 @@ class SamplingParamsError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # pickled as built (Ray, multiprocessing): args are (param, message)
+        return type(self), (self.param, str(self))
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -35,9 +38,9 @@ class SamplingParams:
     the log-probabilities of each sampled token and of the ``logprobs`` most likely.
 
     Checked at construction (``SamplingParamsError``, a ``ValueError``, naming the field and
-    the value, the field also in its ``param``): integer fields
-    take any integer type (numpy's included; stored as ``int``) but not ``True``/``False``
-    or floats such as ``3.0``; ``temperature`` and ``top_p`` must be finite real numbers.
+    the value, the field also in its ``param``): integer fields take any integer type
+    (numpy's included; stored as ``int``) but not ``True``/``False`` or floats such as
+    ``3.0``; ``temperature`` and ``top_p`` must be finite real numbers.
     """
 
     n: int = 1

@@ -74,3 +74,13 @@ def test_boundary_values_are_accepted():
 def test_tiny_temperature_is_greedy_not_an_overflow():
     assert SamplingParams(temperature=1e-7).is_greedy
     assert not SamplingParams(temperature=1e-3).is_greedy
+
+
+def test_the_error_survives_a_pickle():
+    import pickle
+
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(top_p=2.0)
+    again = pickle.loads(pickle.dumps(e.value))
+    assert type(again) is SamplingParamsError and again.param == "top_p"
+    assert str(again) == str(e.value) == "top_p must be in (0, 1], got 2.0"
