@@ -179,6 +179,11 @@ def take_stage_spans(stage) -> dict[str, list[Span]]:
     return spans
 
 
+def _ticks_per_s() -> int:
+    """The kernel's clock ticks per second (``/proc``'s CPU times are in ticks)."""
+    return os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
 def proc_stat() -> dict[str, float]:
     """The machine's CPU seconds so far by kind, summed over CPUs (``/proc/stat``'s first
     line; ``steal``: time the hypervisor ran something else while a vCPU had work). Empty
@@ -188,7 +193,7 @@ def proc_stat() -> dict[str, float]:
             fields = f.readline().split()[1:9]
     except OSError:
         return {}
-    hz = os.sysconf("SC_CLK_TCK")
+    hz = _ticks_per_s()
     names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
     return {n: int(v) / hz for n, v in zip(names, fields, strict=True)}
 
@@ -196,7 +201,7 @@ def proc_stat() -> dict[str, float]:
 def thread_cpu() -> dict[tuple[int, int], tuple[str, str, float]]:
     """Every thread's CPU seconds so far (``/proc/*/task/*/stat``: user + system), by (pid,
     tid), with its process's and its own name (``comm``). Empty without ``/proc``."""
-    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    hz = _ticks_per_s()
     out = {}
     for task in Path("/proc").glob("[0-9]*/task/[0-9]*"):
         try:
@@ -325,14 +330,38 @@ def run_one(args: argparse.Namespace, num_stages: int, requests, warm) -> RunRes
             ray.shutdown()
 
 
-def _run_one(
+def warmed_llm(
     args: argparse.Namespace, num_stages: int, requests: list[BenchRequest], warm
-) -> RunResult:
+) -> LLM:
+    """The engine for ``requests`` (its KV cache sized to them), after a small warm-up
+    ``generate`` of ``warm``."""
     max_len = max(seq_len(r) for r in requests)
     llm = build_llm(args, num_stages, num_kv_blocks_for(requests), max_len)
     try:
         warm_params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         llm.generate(warm, warm_params, use_tqdm=False)
+    except BaseException:
+        llm.shutdown()
+        raise
+    return llm
+
+
+def timed_inputs(requests: list[BenchRequest]) -> tuple[list[list[int]], list[SamplingParams]]:
+    """The timed ``generate``'s prompts and parameters: greedy, EOS ignored, each request's
+    output length."""
+    prompts = [list(r.prompt_token_ids) for r in requests]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.output_tokens, ignore_eos=True)
+        for r in requests
+    ]
+    return prompts, params
+
+
+def _run_one(
+    args: argparse.Namespace, num_stages: int, requests: list[BenchRequest], warm
+) -> RunResult:
+    llm = warmed_llm(args, num_stages, requests, warm)
+    try:
         result = RunResult(f"PP={num_stages}")
         actors = getattr(llm.engine.executor, "actors", None)
         if actors:
@@ -346,11 +375,7 @@ def _run_one(
             _wrap(llm.engine.executor.worker, "execute", sp["execute"], sp["execute_cpu"])
             result.stage_threads, result.stage_nice = [torch.get_num_threads()], [os.nice(0)]
         install_driver_probes(llm, result)
-        prompts = [list(r.prompt_token_ids) for r in requests]
-        params = [
-            SamplingParams(temperature=0.0, max_tokens=r.output_tokens, ignore_eos=True)
-            for r in requests
-        ]
+        prompts, params = timed_inputs(requests)
         threads0 = thread_cpu()
         stat0, p0, t0 = proc_stat(), time.process_time(), time.monotonic()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -377,18 +402,11 @@ def _run_one(
 # first start to the last end (``time.monotonic()``: one clock for every process).
 def _side_by_side_worker(args, requests, warm, barrier, queue) -> None:
     torch.set_num_threads(args.threads_per_stage)
-    max_len = max(seq_len(r) for r in requests)
-    llm = build_llm(args, 1, num_kv_blocks_for(requests), max_len)
+    llm = warmed_llm(args, 1, requests, warm)
     try:
-        llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
-                     use_tqdm=False)  # fmt: skip
         spans: list[Span] = []
         _wrap(llm.engine.executor.worker, "execute", spans)
-        prompts = [list(r.prompt_token_ids) for r in requests]
-        params = [
-            SamplingParams(temperature=0.0, max_tokens=r.output_tokens, ignore_eos=True)
-            for r in requests
-        ]
+        prompts, params = timed_inputs(requests)
         barrier.wait()
         t0 = time.monotonic()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -438,12 +456,13 @@ def print_side_by_side(pairs: list[list[RunResult]], sides: list[SideBySide]) ->
     for pair, side in zip(pairs, sides, strict=True):
         base, pp = pair
         same = all(t == base.tokens for t in side.tokens)
+        ratio, bound = throughput_ratio(pair), side.ratio(base)
         print(
             f"2 x PP=1 side by side: walls {', '.join(f'{w:.2f}' for w in side.walls)} s "
             f"(alone {base.wall_s:.2f} s), compute {', '.join(f'{c:.2f}' for c in side.compute_s)} s "
-            f"(alone {total(base.stage_spans[0]['execute']):.2f} s): {side.ratio(base):.2f}x "
-            f"PP=1's throughput (the two-core bound); {pp.name} {throughput_ratio(pair):.2f}x = "
-            f"{throughput_ratio(pair) / side.ratio(base):.0%} of it; outputs "
+            f"(alone {total(base.stage_spans[0]['execute']):.2f} s): {bound:.2f}x "
+            f"PP=1's throughput (the two-core bound); {pp.name} {ratio:.2f}x = "
+            f"{ratio / bound:.0%} of it; outputs "
             + ("identical to PP=1's" if same else "DIFFER from PP=1's")
         )
     if len(sides) > 1:

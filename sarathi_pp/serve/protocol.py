@@ -49,8 +49,8 @@ _MAX_NAMED = 16  # ignored fields named in one warning (a body is the client's t
 logger = logging.getLogger(__name__)
 
 
-def warn_ignored_fields(body: dict[str, Any]) -> list[str]:
-    """Log the fields of ``body`` this server does not read (vLLM's warning); returns them."""
+def warn_ignored_fields(body: dict[str, Any]) -> None:
+    """Log the fields of ``body`` this server does not read (vLLM's warning)."""
     ignored = sorted(str(k)[:64] for k in body if k not in _KNOWN_FIELDS)
     if ignored:
         more = f" and {len(ignored) - _MAX_NAMED} more" if len(ignored) > _MAX_NAMED else ""
@@ -58,7 +58,6 @@ def warn_ignored_fields(body: dict[str, Any]) -> list[str]:
             "The following fields were present in the request but ignored: %s%s",
             ", ".join(ignored[:_MAX_NAMED]), more,
         )  # fmt: skip
-    return ignored
 
 
 class ApiError(Exception):
