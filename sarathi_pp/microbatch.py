@@ -35,6 +35,12 @@ class ScheduledChunk:
     # samples, the sequence's tokens before ``start``, so the last stage knows the whole
     # sequence from then on (it adds each token it samples; ``stages/penalties.py``).
     history: tuple[int, ...] = ()
+    # Prompt log-probabilities (``SamplingParams.prompt_logprobs``): the prompt tokens this
+    # chunk's rows predict, row ``r`` the token at ``start + r + 1`` (so at most one per row,
+    # none past the prompt), and how many of the most likely tokens to report beside each.
+    # The last stage answers in ``StepResult.prompt_logprobs``.
+    prompt_targets: tuple[int, ...] = ()
+    prompt_logprobs: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -141,6 +147,16 @@ class TokenLogprobs:
     top_logprobs: tuple[float, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class PromptChunkLogprobs:
+    """One prefill chunk's prompt log-probabilities (``ScheduledChunk.prompt_targets``):
+    ``tokens[i]`` is about the prompt token at position ``first + i``, given the tokens
+    before it (its ``rank`` and ``logprob``; the most likely tokens there beside it)."""
+
+    first: int
+    tokens: tuple[TokenLogprobs, ...]
+
+
 @dataclass
 class StepResult:
     """What came back for one micro-batch: produced by the last stage, relayed by the
@@ -154,12 +170,15 @@ class StepResult:
     failure: str | None = None
     # seq_id -> its token's log-probabilities, for the sequences that asked for them
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    # seq_id -> its chunk's prompt log-probabilities (``ScheduledChunk.prompt_targets``)
+    prompt_logprobs: dict[int, PromptChunkLogprobs] = field(default_factory=dict)
 
     def add(self, other: StepResult) -> None:
         """Take ``other``'s tokens, log-probabilities and failures (a retry's, one
         sequence at a time)."""
         self.sampled.update(other.sampled)
         self.logprobs.update(other.logprobs)
+        self.prompt_logprobs.update(other.prompt_logprobs)
         self.errors.update(other.errors)
 
 

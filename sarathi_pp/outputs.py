@@ -63,6 +63,9 @@ class Logprob:
 # Per generated token: token id -> Logprob, the sampled token first, then the most likely
 # ones (``SamplingParams.logprobs`` of them; the sampled one appears once).
 SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt token: ``None`` for the first (nothing precedes it), then token id -> Logprob,
+# the prompt's own token first, then the most likely ones (``SamplingParams.prompt_logprobs``).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -92,3 +95,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+    # With ``SamplingParams.prompt_logprobs`` set: one entry per prompt token, once the
+    # whole prompt has been computed (``None`` before, and otherwise, as vLLM)
+    prompt_logprobs: PromptLogprobs | None = None

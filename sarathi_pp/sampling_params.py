@@ -35,7 +35,9 @@ class SamplingParams:
     per occurrence; ``repetition_penalty`` (> 0, 1 = off) divides the positive logits of
     every token of the prompt and the output (multiplies the negative), as Hugging Face's.
     ``n``: completions per prompt (``engine/parallel_sampling.py``); ``logprobs``:
-    the log-probabilities of each sampled token and of the ``logprobs`` most likely.
+    the log-probabilities of each sampled token and of the ``logprobs`` most likely;
+    ``prompt_logprobs``: the same for every prompt token after the first
+    (``RequestOutput.prompt_logprobs``), from the raw logits as ``logprobs``.
 
     Checked at construction (``SamplingParamsError``, a ``ValueError``, naming the field and
     the value, the field also in its ``param``): integer fields take any integer type
@@ -64,6 +66,9 @@ class SamplingParams:
     # token id -> a number added to its logit (-100..100, OpenAI's); given as a dict, kept
     # as sorted (id, bias) pairs so the value stays hashable
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    # The log-probability of every prompt token after the first (given those before it) and
+    # of the ``prompt_logprobs`` most likely tokens at each position (vLLM's; ``None``: off)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise so the value stays hashable and immutable, with plain Python types
@@ -71,7 +76,7 @@ class SamplingParams:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         for name in ("n", "top_k", "max_tokens", "min_tokens"):
             set_(name, _as_int(name, getattr(self, name)))
-        for name in ("seed", "logprobs"):
+        for name in ("seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             set_(name, None if value is None else _as_int(name, value, "an integer or None"))
         for name in (
@@ -107,6 +112,12 @@ class SamplingParams:
             raise SamplingParamsError(
                 "logprobs",
                 f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise SamplingParamsError(
+                "prompt_logprobs",
+                f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                f"got {self.prompt_logprobs!r}",
             )
         if self.use_beam_search:
             raise SamplingParamsError("use_beam_search", "beam search is not supported")

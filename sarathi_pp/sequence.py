@@ -69,6 +69,9 @@ class Sequence:
         # One per output token when ``params.logprobs`` is set (kept across preemption:
         # the recomputed tokens are not sampled again).
         self.output_logprobs: list[TokenLogprobs] = []
+        # With ``params.prompt_logprobs``: prompt positions 1, 2, ... in order, as their
+        # chunks finish (kept across preemption: a recomputed position is not taken again).
+        self.prompt_logprobs: list[TokenLogprobs] = []
         self.token_ids: list[int] = list(prompt_token_ids)
         self.params = params
         self.status = SequenceStatus.WAITING
@@ -131,6 +134,20 @@ class Sequence:
         if m.first_token_time is None:
             m.first_token_time = now
         m.token_times.append(now)
+
+    def add_prompt_logprobs(self, first: int, tokens: tuple[TokenLogprobs, ...]) -> None:
+        """Take prompt positions ``first, first + 1, ...`` (a chunk's) that are new."""
+        have = len(self.prompt_logprobs) + 1  # the next position wanted
+        if first <= have < first + len(tokens):
+            self.prompt_logprobs.extend(tokens[have - first :])
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Asked for, and some prompt position (after the first) still missing."""
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+        )
 
     def finish(self, status: SequenceStatus, now: float, reason: int | str | None = None) -> None:
         assert status.is_finished, status

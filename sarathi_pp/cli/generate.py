@@ -85,6 +85,12 @@ def add_parser(subparsers: Any) -> None:
         help="report each generated token's log-probability and the K most likely tokens' "
         "(0-20; with --output: a 'logprobs' field)",
     )  # fmt: skip
+    g.add_argument(
+        "--prompt-logprobs", type=int, metavar="K",
+        help="report each prompt token's log-probability (after the first) and the K most "
+        "likely tokens' at its position (0-20; with --output: a 'prompt_logprobs' field, "
+        "null for the first token)",
+    )  # fmt: skip
     g = p.add_argument_group("output")
     g.add_argument(
         "--output",
@@ -109,7 +115,7 @@ SAMPLING_FLAGS = {
     "top_k": "--top-k", "stop": "--stop", "n": "--num-completions", "min_p": "--min-p",
     "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
     "repetition_penalty": "--repetition-penalty", "logprobs": "--logprobs",
-    "min_tokens": "--min-tokens",
+    "min_tokens": "--min-tokens", "prompt_logprobs": "--prompt-logprobs",
 }  # fmt: skip
 
 
@@ -137,6 +143,7 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
         logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
     )
 
 
@@ -198,11 +205,23 @@ def result_record(index: int, out: Any) -> dict[str, Any]:
         "error": out.error or completion.error,
         "ttft_s": out.metrics.ttft,
     }
+    if out.prompt_logprobs is not None:  # per prompt token: null for the first
+        record["prompt_logprobs"] = [
+            None if entry is None else _logprob_entries(entry) for entry in out.prompt_logprobs
+        ]
     if len(out.outputs) > 1:
         record["completions"] = [
             {"index": c.index, **_completion_fields(c), "error": c.error} for c in out.outputs
         ]
     return record
+
+
+def _logprob_entries(entry: dict[int, Any]) -> list[dict[str, Any]]:
+    """One position's tokens: the sampled (or prompt) one first, then the most likely."""
+    return [
+        {"token_id": t, "text": e.decoded_token, "logprob": e.logprob, "rank": e.rank}
+        for t, e in entry.items()
+    ]
 
 
 def _completion_fields(c: Any) -> dict[str, Any]:
@@ -212,13 +231,7 @@ def _completion_fields(c: Any) -> dict[str, Any]:
         "finish_reason": c.finish_reason,
     }
     if c.logprobs is not None:  # per token: the sampled one first, then the most likely
-        fields["logprobs"] = [
-            [
-                {"token_id": t, "text": e.decoded_token, "logprob": e.logprob, "rank": e.rank}
-                for t, e in entry.items()
-            ]
-            for entry in c.logprobs
-        ]
+        fields["logprobs"] = [_logprob_entries(entry) for entry in c.logprobs]
         fields["cumulative_logprob"] = c.cumulative_logprob
     return fields
 
@@ -236,6 +249,11 @@ def print_readable(records: list[dict[str, Any]], stream: IO[str]) -> None:
     # repr: a random or small model emits newlines and control bytes; keep one field a line.
     for r in records:
         print(f"[{r['index']}] prompt: {r['prompt']!r}", file=stream)
+        if "prompt_logprobs" in r:  # per prompt token after the first
+            steps = " ".join(
+                f"{p[0]['text']!r}:{p[0]['logprob']:.2f}" for p in r["prompt_logprobs"][1:]
+            )
+            print(f"    prompt logprobs: {steps}", file=stream)
         many = "completions" in r
         for c in _completions(r):
             label = f"output {c['index']}" if many else "output"

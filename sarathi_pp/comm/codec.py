@@ -10,7 +10,8 @@ Wire form: msgpack (ints, floats, strings, lists only; no maps, no extension typ
   - ``[tag, field, ...]``: a record, its fields in declaration order (``_RECORDS``):
     ``microbatch`` (``MicroBatch``; its chunks are ``ScheduledChunk`` records with an
     optional ``SamplingParams`` record), ``step_result`` (``StepResult``: ``sampled``,
-    ``errors`` and ``logprobs`` (``TokenLogprobs`` records) as ``[[seq_id, value], ...]``,
+    ``errors``, ``logprobs`` (``TokenLogprobs`` records) and ``prompt_logprobs``
+    (``PromptChunkLogprobs`` records of ``TokenLogprobs``) as ``[[seq_id, value], ...]``,
     ``events`` as ``StageEvent`` records, ``failure`` a str or ``None``),
     ``stage_event`` (``StageEvent``) and ``stage_memory`` (``StageMemory``).
 Lists of token ids and block ids are plain msgpack arrays of ints.
@@ -31,11 +32,17 @@ from typing import Any
 import msgpack
 
 from sarathi_pp.events import StageEvent
-from sarathi_pp.microbatch import MicroBatch, ScheduledChunk, StepResult, TokenLogprobs
+from sarathi_pp.microbatch import (
+    MicroBatch,
+    PromptChunkLogprobs,
+    ScheduledChunk,
+    StepResult,
+    TokenLogprobs,
+)
 from sarathi_pp.planner.memory import StageMemory
 from sarathi_pp.sampling_params import SamplingParams
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: prompt log-probabilities (chunk targets, step results)
 MAX_DEPTH = 8  # tuples inside tuples; the deepest real message is 2: ("ok", .., (result, event))
 
 
@@ -193,6 +200,7 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "repetition_penalty": FLOAT,
             "min_tokens": INT,
             "logit_bias": _bias(),
+            "prompt_logprobs": _optional(INT),
         },
     ),
     ScheduledChunk: (
@@ -207,6 +215,8 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "num_output_tokens": INT,
             "ring_from": INT,
             "history": INTS,
+            "prompt_targets": INTS,
+            "prompt_logprobs": INT,
         },
     ),
     MicroBatch: (
@@ -232,6 +242,10 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
         "token_logprobs",
         {"logprob": FLOAT, "rank": INT, "top_ids": INTS, "top_logprobs": FLOATS},
     ),
+    PromptChunkLogprobs: (
+        "prompt_logprobs",
+        {"first": INT, "tokens": _records(TokenLogprobs, tuple)},
+    ),
     StepResult: (
         "step_result",
         {
@@ -240,6 +254,7 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "events": _records(StageEvent, list),
             "failure": _optional(STR),
             "logprobs": _pairs(INT, _record(TokenLogprobs)),
+            "prompt_logprobs": _pairs(INT, _record(PromptChunkLogprobs)),
         },
     ),
     StageMemory: (

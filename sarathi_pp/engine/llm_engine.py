@@ -165,6 +165,11 @@ class LLMEngine(PipelineFaults):
         """``token_ids`` as text (special tokens skipped); ``""`` without a tokenizer."""
         return self.outputs.detokenizer.decode(token_ids) if self.outputs.detokenizer else ""
 
+    def token_text(self, token_id: int) -> str | None:
+        """One token's own text, special tokens included (as log-probabilities show each
+        token); ``None`` without a tokenizer."""
+        return self.outputs.token_text(token_id)
+
     def validate_prompt(self, token_ids: list[int], where: str = "prompt") -> None:
         """``ValueError`` naming ``where`` unless the prompt can run at all."""
         s = self.config.scheduler
@@ -288,6 +293,9 @@ class LLMEngine(PipelineFaults):
     ) -> list[RequestOutput]:
         now = self.now()
         self.recorder.completed(microbatch, result, now, wait=wait, full=full)
+        for seq_id, plp in result.prompt_logprobs.items():  # before the chunk's token
+            if (seq := self.scheduler.seqs.get(seq_id)) is not None:
+                seq.add_prompt_logprobs(plp.first, plp.tokens)
         updated = self.scheduler.on_step_done(microbatch, result.sampled, now)
         if result.logprobs:
             for got in updated:

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from sarathi_pp.microbatch import TokenLogprobs
-from sarathi_pp.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from sarathi_pp.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+)
 from sarathi_pp.sequence import Sequence, SequenceStatus
 from sarathi_pp.tokenizer import Detokenizer
 
@@ -25,6 +31,7 @@ class _TextState:
     text: str = ""
     logprobs: SampleLogprobs | None = None  # built as tokens come (SamplingParams.logprobs)
     cumulative_logprob: float = 0.0
+    prompt_logprobs: PromptLogprobs | None = None  # built once the prompt is all in
 
 
 class OutputProcessor:
@@ -90,6 +97,8 @@ class OutputProcessor:
             state = _TextState(None, list(seq.prompt_token_ids))
             state.logprobs = [] if seq.params.logprobs is not None else None
         self._add_logprobs(seq, state)
+        if state.prompt_logprobs is None and seq.params.prompt_logprobs is not None:
+            state.prompt_logprobs = self._prompt_logprobs(seq)
         text = state.text
         # Not copied at every step (a 4K-token prompt would be copied for each new token).
         prompt_ids = state.prompt_token_ids
@@ -116,6 +125,7 @@ class OutputProcessor:
             finished=seq.is_finished,
             metrics=seq.metrics,
             error=seq.error,
+            prompt_logprobs=state.prompt_logprobs,
         )
 
     def _add_logprobs(self, seq: Sequence, state: _TextState) -> None:
@@ -125,15 +135,29 @@ class OutputProcessor:
         tokens = seq.output_token_ids
         for i in range(len(state.logprobs), len(seq.output_logprobs)):
             lp: TokenLogprobs = seq.output_logprobs[i]
-            token = tokens[i]
-            entry = {token: Logprob(lp.logprob, lp.rank, self._token_str(token))}
-            for r, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
-                if tid not in entry:
-                    entry[tid] = Logprob(value, r, self._token_str(tid))
-            state.logprobs.append(entry)
+            state.logprobs.append(self._entry(tokens[i], lp))
             state.cumulative_logprob += lp.logprob
 
-    def _token_str(self, token_id: int) -> str | None:
+    def _prompt_logprobs(self, seq: Sequence) -> PromptLogprobs | None:
+        """vLLM's prompt log-probabilities of ``seq``, once every position is in."""
+        prompt = seq.prompt_token_ids
+        if len(seq.prompt_logprobs) < len(prompt) - 1:
+            return None
+        out: PromptLogprobs = [None]
+        for token, lp in zip(prompt[1:], seq.prompt_logprobs):
+            out.append(self._entry(token, lp))
+        return out
+
+    def _entry(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
+        """``token``'s log-probability first, then the most likely tokens' (once each)."""
+        entry = {token: Logprob(lp.logprob, lp.rank, self.token_text(token))}
+        for r, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+            if tid not in entry:
+                entry[tid] = Logprob(value, r, self.token_text(tid))
+        return entry
+
+    def token_text(self, token_id: int) -> str | None:
+        """``token_id``'s own text (special tokens too); ``None`` without a tokenizer."""
         if self.detokenizer is None:
             return None
         text = self._token_text.get(token_id)

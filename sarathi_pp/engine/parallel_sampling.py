@@ -61,6 +61,10 @@ def merge(request_id: str, children: list[RequestOutput]) -> RequestOutput:
         finished=finished,
         metrics=metrics,
         error="; ".join(errors) if errors else None,
+        # every child computes the same prompt: the first that has it all
+        prompt_logprobs=next(
+            (c.prompt_logprobs for c in children if c.prompt_logprobs is not None), None
+        ),
     )
 
 

@@ -426,6 +426,9 @@ class Scheduler(ABC):
         seq.last_scheduled_step = self._step
         reaches_end = seq.num_scheduled_tokens >= seq.num_tokens
         history: tuple[int, ...] = ()
+        targets: tuple[int, ...] = ()
+        if is_prefill and start + 1 < seq.num_prompt_tokens and seq.wants_prompt_logprobs:
+            targets = tuple(seq.prompt_token_ids[start + 1 : start + n + 1])
         if reaches_end:
             seq.sampling_microbatch = self._next_microbatch_id
             if is_prefill and seq.params.has_penalties:  # stages/penalties.py
@@ -440,4 +443,6 @@ class Scheduler(ABC):
             num_output_tokens=num_output_tokens,
             ring_from=ring_from,
             history=history,
+            prompt_targets=targets,
+            prompt_logprobs=(seq.params.prompt_logprobs or 0) if targets else 0,
         )

@@ -130,6 +130,9 @@ class _Routes:
                     for p, t in zip(req.prompts, tokens, strict=True)
                 ]
                 choices.echo = [texts[i] for _, _, _, i in children]
+                if req.params.logprobs is not None:  # the first prompt token's own text
+                    firsts = [_text_of(engine, t[0]) for t in tokens]
+                    choices.first_text = [firsts[i] for _, _, _, i in children]
             try:
                 for rid, params, _, i in children:
                     engine.add_request(rid, req.prompts[i].text, params, tokens[i])
@@ -221,9 +224,14 @@ class _Routes:
         answers = []
         for index, out in enumerate(choices.final):
             c = out.outputs[0]
-            lp = _logprobs(req, c.token_ids, c.logprobs, chat)
-            text = choices.echo[index] + c.text if choices.echo else c.text
-            answers.append({"text": text, "finish_reason": c.finish_reason, "logprobs": lp})
+            echo = choices.echo[index] if choices.echo else ""
+            lp = _logprobs(req, c.token_ids, c.logprobs, chat, text_offset=len(echo))
+            if echo and lp is not None:
+                lp = p.joined_logprobs(choices.echoed_logprobs(index, out), lp)
+            answer = {"text": echo + c.text, "finish_reason": c.finish_reason, "logprobs": lp}
+            if req.params.prompt_logprobs is not None:  # vLLM's field
+                answer["prompt_logprobs"] = p.prompt_logprobs_json(out.prompt_logprobs)
+            answers.append(answer)
         use = choices.usage()
         if chat:
             return p.chat_response(request_id, self.model, answers, use)
@@ -260,14 +268,17 @@ class _Routes:
                     first, tokens_sent[index] = tokens_sent[index], len(completion.token_ids)
                     new = completion.token_ids[first:]
                     lp = None
+                    echo = choices.echo[index] if choices.echo else ""
                     if completion.logprobs is not None:
                         lp = _logprobs(
                             req, new, completion.logprobs[first:], chat,
-                            text_offset=num_sent[index] - len(delta),
+                            text_offset=len(echo) + num_sent[index] - len(delta),
                         )  # fmt: skip
                     reason = completion.finish_reason
-                    if choices.echo and first == 0:  # the choice's first chunk: its prompt
-                        delta = choices.echo[index] + delta
+                    if echo and first == 0:  # the choice's first chunk: its prompt
+                        delta = echo + delta
+                        if lp is not None:
+                            lp = p.joined_logprobs(choices.echoed_logprobs(index, out), lp)
                     yield _sse(self._chunk(request_id, delta, reason, chat, index, lp))
             if req.include_usage and choices.all_finished and not choices.failed:
                 chunk = self._chunk(request_id, "", None, chat, 0)
@@ -292,6 +303,13 @@ class _Routes:
             delta = {"content": text} if text else {}
             return p.chat_chunk(request_id, self.model, delta, finish_reason, index, logprobs)
         return p.completion_chunk(request_id, self.model, text, finish_reason, index, logprobs)
+
+
+def _text_of(engine: Any, token_id: int) -> str:
+    """A token's text as log-probabilities show it (vLLM's ``token_id:<id>`` without a
+    tokenizer)."""
+    text = engine.token_text(token_id)
+    return text if text is not None else f"token_id:{token_id}"
 
 
 def _logprobs(
@@ -321,6 +339,16 @@ class _Choices:
         self._latest: list[Any] = [None] * len(ids)
         self.failed = False  # the stream ended on an error
         self.echo: list[str] = []  # with echo: each choice's prompt text, set when added
+        self.first_text: list[str] = []  # and with logprobs: its first token's text
+
+    def echoed_logprobs(self, index: int, out: Any) -> dict[str, Any]:
+        """The ``logprobs`` of choice ``index``'s echoed prompt (``out``: its output), its
+        text offsets from 0; empty if the prompt's never came (the request failed first)."""
+        if out.prompt_logprobs is None:
+            return p.completion_logprobs([], [])
+        return p.completion_logprobs(
+            out.prompt_token_ids, out.prompt_logprobs, first_text=self.first_text[index]
+        )
 
     def update(self, out: Any) -> int:
         """Record ``out``; its choice index."""

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sarathi_pp.outputs import Logprob, SampleLogprobs
+from sarathi_pp.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from sarathi_pp.sampling_params import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
@@ -22,7 +22,6 @@ DEFAULT_MAX_TOKENS = 16
 # predicate), refused with a 400 otherwise.
 _UNSUPPORTED: dict[str, Any] = {
     "best_of": lambda v: v == 1 and not isinstance(v, bool),
-    "prompt_logprobs": lambda v: False,  # only null: the last stage computes no prompt logits
     "suffix": lambda v: v == "",
     "tools": lambda v: v == [],
     "functions": lambda v: v == [],
@@ -41,7 +40,8 @@ _KNOWN_FIELDS = frozenset(
         "max_completion_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed",
         "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
         "logprobs", "top_logprobs", "echo", "min_tokens", "ignore_eos",
-        "include_stop_str_in_output", "skip_special_tokens", "user", *_UNSUPPORTED,
+        "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "user",
+        *_UNSUPPORTED,
     }
 )  # fmt: skip
 _MAX_NAMED = 16  # ignored fields named in one warning (a body is the client's to make)
@@ -195,7 +195,10 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 
 
 def sampling_params(
-    body: dict[str, Any], max_tokens_keys: tuple[str, ...], logprobs: int | None = None
+    body: dict[str, Any],
+    max_tokens_keys: tuple[str, ...],
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     max_tokens = DEFAULT_MAX_TOKENS
     for key in max_tokens_keys:  # the first one given wins
@@ -212,6 +215,7 @@ def sampling_params(
         return SamplingParams(
             n=n,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             max_tokens=max_tokens,
             temperature=float(_get(body, "temperature", "number", 1.0)),
             top_p=float(_get(body, "top_p", "number", 1.0)),
@@ -275,6 +279,26 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
+def _prompt_logprobs(body: dict[str, Any], stream: bool, logprobs: int | None) -> int | None:
+    """``SamplingParams.prompt_logprobs`` (vLLM's extra parameter): ``prompt_logprobs`` as
+    given, else completions' ``logprobs`` when ``echo`` is set (the echoed prompt's tokens
+    get their log-probabilities too, as vLLM and OpenAI's legacy API)."""
+    num = _get(body, "prompt_logprobs", "int")
+    if num is not None:
+        if not 0 <= num <= MAX_LOGPROBS:
+            raise bad_request(
+                f"'prompt_logprobs' must be in [0, {MAX_LOGPROBS}], got {num}", "prompt_logprobs"
+            )
+        if stream:  # vLLM's rule: they come with the final output only
+            raise bad_request(
+                "'prompt_logprobs' is not available with 'stream': true", "prompt_logprobs"
+            )
+        return num
+    if body.get("echo") is True and logprobs is not None:
+        return logprobs
+    return None
+
+
 def _common(body: Any, max_tokens_keys: tuple[str, ...], chat: bool) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -285,7 +309,9 @@ def _common(body: Any, max_tokens_keys: tuple[str, ...], chat: bool) -> dict[str
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise bad_request("'stream_options.include_usage' must be a bool", "stream_options")
-    params = sampling_params(body, max_tokens_keys, _logprobs(body, chat))
+    logprobs = _logprobs(body, chat)
+    prompt_logprobs = _prompt_logprobs(body, stream, logprobs)
+    params = sampling_params(body, max_tokens_keys, logprobs, prompt_logprobs)
     given = any(body.get(key) is not None for key in max_tokens_keys)
     return {
         "model": _get(body, "model", "str"),
@@ -310,12 +336,6 @@ def completion_request(body: Any) -> GenerateRequest:
     else:
         prompts = (_prompt(prompt, "prompt"),)
     echo = _get(body, "echo", "bool", False)
-    if echo and common["params"].logprobs is not None:
-        raise bad_request(
-            "'echo' with 'logprobs' needs the prompt's log-probabilities, which this server "
-            "does not compute: drop one of them",
-            "echo",
-        )
     n = common["params"].n
     if len(prompts) * n > MAX_CHOICES:
         raise bad_request(
@@ -421,7 +441,10 @@ def chat_response(
         }
         for c in choices
     ]
-    return _envelope(request_id, "chat.completion", model, _indexed(messages), use)
+    out = _envelope(request_id, "chat.completion", model, _indexed(messages), use)
+    if choices and "prompt_logprobs" in choices[0]:  # vLLM's: one prompt, at the top
+        out["prompt_logprobs"] = choices[0]["prompt_logprobs"]
+    return out
 
 
 def _indexed(choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -463,11 +486,15 @@ def _clamped(logprob: float) -> float:
 
 
 def completion_logprobs(
-    token_ids: list[int], logprobs: SampleLogprobs, text_offset: int = 0
+    token_ids: list[int],
+    logprobs: list[dict[int, Logprob] | None],
+    text_offset: int = 0,
+    first_text: str = "",
 ) -> dict[str, Any]:
     """OpenAI's completion ``logprobs`` over ``token_ids`` (one ``logprobs`` entry each):
     each token's text, log-probability, the most likely tokens' (``{text: logprob}``) and
-    where its text starts, counted from ``text_offset``."""
+    where its text starts, counted from ``text_offset``. An echoed prompt's first token has
+    no entry (``None``: nothing precedes it): its text is ``first_text``, its values null."""
     out: dict[str, list] = {
         "text_offset": [],
         "token_logprobs": [],
@@ -475,15 +502,45 @@ def completion_logprobs(
         "top_logprobs": [],
     }
     for token_id, entry in zip(token_ids, logprobs, strict=True):
-        text = _token_text(token_id, entry[token_id])
         out["text_offset"].append(text_offset)
+        if entry is None:
+            text = first_text
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
+            text = _token_text(token_id, entry[token_id])
+            out["token_logprobs"].append(_clamped(entry[token_id].logprob))
+            out["top_logprobs"].append(
+                {_token_text(t, e): _clamped(e.logprob) for t, e in entry.items()}
+            )
         out["tokens"].append(text)
-        out["token_logprobs"].append(_clamped(entry[token_id].logprob))
-        out["top_logprobs"].append(
-            {_token_text(t, e): _clamped(e.logprob) for t, e in entry.items()}
-        )
         text_offset += len(text)
     return out
+
+
+def joined_logprobs(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
+    """Two completion ``logprobs`` objects as one (an echoed prompt's, then its tokens')."""
+    return a if b is None else {k: a[k] + b[k] for k in a}
+
+
+def prompt_logprobs_json(plp: PromptLogprobs | None) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt token ``null`` (the first) or
+    ``{token_id: {"logprob", "rank", "decoded_token"}}``, the prompt's token first."""
+    if plp is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {
+                "logprob": _clamped(e.logprob),
+                "rank": e.rank,
+                "decoded_token": e.decoded_token,
+            }
+            for t, e in entry.items()
+        }
+        for entry in plp
+    ]
 
 
 def chat_logprobs(token_ids: list[int], logprobs: SampleLogprobs, top: int) -> dict[str, Any]:

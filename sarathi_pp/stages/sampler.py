@@ -7,7 +7,9 @@ not finite yields ``INVALID_TOKEN`` so the engine fails that request alone.
 
 ``logprobs`` gives the rows that ask for them (``SamplingParams.logprobs``) their sampled
 token's log-probability and rank and the most likely tokens', from the raw logits (vLLM's
-default: before temperature, top-k and top-p), one batched ``log_softmax`` and ``topk``.
+default: before temperature, top-k and top-p), one batched ``log_softmax`` and ``topk``;
+``target_logprobs`` the same for the prompt tokens a prefill chunk's rows predict
+(``SamplingParams.prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -92,6 +94,31 @@ def logprobs(
         n = params[i].logprobs or 0
         out[i] = TokenLogprobs(token_lp, rank, tuple(top_ids_l[j][:n]), tuple(top_lp_l[j][:n]))
     return out
+
+
+def target_logprobs(
+    logits: torch.Tensor, targets: list[int], k: int
+) -> tuple[TokenLogprobs, ...] | None:
+    """Row ``i``'s log-probability and rank of ``targets[i]`` and its ``k`` most likely
+    tokens (``SamplingParams.prompt_logprobs``: row ``i`` predicts prompt token ``i + 1``),
+    from raw logits; ``None`` when a row's logits are not finite."""
+    if not torch.isfinite(logits).all():
+        return None
+    lp = logits.float().log_softmax(dim=-1)
+    chosen = torch.tensor(targets, device=logits.device).unsqueeze(1)
+    chosen_lp = lp.gather(1, chosen)
+    ranks = (lp > chosen_lp).sum(dim=-1) + 1
+    if k:
+        top_lp, top_ids = lp.topk(k, dim=-1)
+        top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
+    else:
+        top_lp_l = top_ids_l = [[]] * len(targets)
+    return tuple(
+        TokenLogprobs(value, rank, tuple(ids), tuple(values))
+        for value, rank, ids, values in zip(
+            chosen_lp[:, 0].tolist(), ranks.tolist(), top_ids_l, top_lp_l
+        )
+    )
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

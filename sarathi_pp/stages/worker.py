@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from sarathi_pp.microbatch import MicroBatch, StepResult
+from sarathi_pp.microbatch import MicroBatch, PromptChunkLogprobs, StepResult, TokenLogprobs
 from sarathi_pp.model_spec import ModelSpec
 from sarathi_pp.placement import Placement
 from sarathi_pp.planner.memory import StageMemory
@@ -21,8 +21,17 @@ from sarathi_pp.stages.kv_cache import KVCache
 from sarathi_pp.stages.metadata import build_metadata, sample_rows
 from sarathi_pp.stages.model import StageModel
 from sarathi_pp.stages.penalties import PenaltyState, apply_penalties
-from sarathi_pp.stages.sampler import INVALID_TOKEN, logprobs, processed_logits, sample
+from sarathi_pp.stages.sampler import (
+    INVALID_TOKEN,
+    logprobs,
+    processed_logits,
+    sample,
+    target_logprobs,
+)
 
+# Prompt rows turned into logits at once (``SamplingParams.prompt_logprobs``): 256 rows of a
+# 150K vocabulary are 150 MB of float32.
+PROMPT_LOGITS_ROWS = 256
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -146,6 +155,7 @@ class StageWorker:
         rows = sample_rows(microbatch)
         result = StepResult()
         self.penalties.release(microbatch)
+        self._prompt_logprobs(microbatch, hidden, result)
         if not rows:
             return result
         chunks = [c for c in microbatch.chunks if c.do_sample]
@@ -169,6 +179,33 @@ class StageWorker:
             else:
                 result.sampled[chunk.seq_id] = token
         return result
+
+    def _prompt_logprobs(
+        self, microbatch: MicroBatch, hidden: torch.Tensor, result: StepResult
+    ) -> None:
+        """The prompt log-probabilities of every chunk that asks (``prompt_targets``), from
+        its rows' logits, ``PROMPT_LOGITS_ROWS`` rows at a time (a chunk's logits at once
+        would be ``chunk x vocab`` floats). Non-finite logits fail the request."""
+        assert self.model is not None
+        row = 0
+        for c in microbatch.chunks:
+            if not c.is_prefill:  # prefill chunks first: the rest are decodes
+                break
+            first_row, row = row, row + c.num_tokens
+            if not c.prompt_targets:
+                continue
+            parts: list[TokenLogprobs] = []
+            for lo in range(0, len(c.prompt_targets), PROMPT_LOGITS_ROWS):
+                targets = list(c.prompt_targets[lo : lo + PROMPT_LOGITS_ROWS])
+                at = first_row + lo
+                logits = self.model.logits(hidden[at : at + len(targets)])
+                part = target_logprobs(logits, targets, c.prompt_logprobs)
+                if part is None:
+                    result.errors[c.seq_id] = "the model produced non-finite logits"
+                    break
+                parts.extend(part)
+            else:
+                result.prompt_logprobs[c.seq_id] = PromptChunkLogprobs(c.start + 1, tuple(parts))
 
     def _penalized(
         self, logits: torch.Tensor, chunks: list, result: StepResult

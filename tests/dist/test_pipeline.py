@@ -188,7 +188,11 @@ def test_killed_stage_is_a_clear_error(ray_cluster, llama_dir):
 
 
 def _logprob_values(completion):
-    return [[(t, e.logprob, e.rank) for t, e in entry.items()] for entry in completion.logprobs]
+    return _values(completion.logprobs)
+
+
+def _values(entries):
+    return [[(t, e.logprob, e.rank) for t, e in entry.items()] for entry in entries]
 
 
 # float32 log-probabilities of the same tokens computed by processes with other thread counts
@@ -209,15 +213,20 @@ def _assert_same_logprobs(ours, ref):
 
 
 def test_pp2_logprobs_and_n_equal_pp1(pp2, llama_dir):
-    """Log-probabilities come back from the last stage over Ray as PP=1 computes them, and
-    ``n`` completions per prompt run as seeded children on the pipeline too."""
+    """Log-probabilities (the sampled tokens' and the prompts', over several chunks) come
+    back from the last stage over Ray as PP=1 computes them, and ``n`` completions per
+    prompt run as seeded children on the pipeline too."""
     pp2.engine.set_scheduler(policy="sarathi", chunk_size=16, tile_align=False)
     prompts = make_prompts(seed=8, lens=(5, 40))
-    sp = SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True, n=2, logprobs=3)
+    sp = SamplingParams(
+        max_tokens=6, temperature=0.9, seed=3, ignore_eos=True, n=2, logprobs=3, prompt_logprobs=2
+    )
     ours = pp2.generate(prompts, sp, use_tqdm=False)
     with LLM(str(llama_dir), max_model_len=256, chunk_size=16, tile_align=False) as pp1:
         ref = pp1.generate(prompts, sp, use_tqdm=False)
-    for a, b in zip(ours, ref):
+    for a, b, prompt in zip(ours, ref, prompts):
+        assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(prompt)
+        _assert_same_logprobs(_values(a.prompt_logprobs[1:]), _values(b.prompt_logprobs[1:]))
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
         for ca, cb in zip(a.outputs, b.outputs):
             _assert_same_logprobs(_logprob_values(ca), _logprob_values(cb))
@@ -233,7 +242,7 @@ def test_torchrun_logprobs_n_and_penalties_equal_pp1(llama_dir, tmp_path):
         llama_dir, "--pipeline-parallel-size", "2", "--max-tokens", "6", "--ignore-eos",
         "--output", str(out), "--temperature", "0.8", "--seed", "4", "--num-completions", "2",
         "--logprobs", "2", "--repetition-penalty", "1.4", "--frequency-penalty", "0.5",
-        "--set", "model.max_model_len=256",
+        "--prompt-logprobs", "1", "--chunk-size", "4", "--set", "model.max_model_len=256",
         "--set", "parallel.stage_timeout_s=60", *(a for p in prompts for a in ("--prompt", p)),
     )  # fmt: skip
     proc = subprocess.run(
@@ -252,10 +261,15 @@ def test_torchrun_logprobs_n_and_penalties_equal_pp1(llama_dir, tmp_path):
                 logprobs=2,
                 repetition_penalty=1.4,
                 frequency_penalty=0.5,
+                prompt_logprobs=1,
             ),  # fmt: skip
             use_tqdm=False,
         )
     for record, r in zip(records, ref, strict=True):
+        plp = record["prompt_logprobs"]  # over chunks of 4 tokens
+        assert plp[0] is None and len(plp) == len(r.prompt_token_ids) > 4
+        values = [[(e["token_id"], e["logprob"], e["rank"]) for e in pos] for pos in plp[1:]]
+        _assert_same_logprobs(values, _values(r.prompt_logprobs[1:]))
         got = record["completions"]
         assert [c["token_ids"] for c in got] == [c.token_ids for c in r.outputs]
         for c, cr in zip(got, r.outputs):

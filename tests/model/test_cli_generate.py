@@ -131,14 +131,23 @@ def test_num_completions_and_logprobs(llama_dir, tmp_path, capsys):
     argv = [
         "generate", *engine_args(llama_dir), "--prompt", PROMPTS[0], "--prompt", PROMPTS[2],
         "--max-tokens", "4", "--ignore-eos", "--temperature", "1.0", "--seed", "9",
-        "--num-completions", "3", "--logprobs", "2",
+        "--num-completions", "3", "--logprobs", "2", "--prompt-logprobs", "1",
     ]  # fmt: skip
     assert main([*argv, "--output", str(out)]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     llm = LLM(config=config_from_args(build_parser().parse_args(argv)))
-    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, n=3, logprobs=2)
+    params = SamplingParams(
+        temperature=1.0, max_tokens=4, ignore_eos=True, n=3, logprobs=2, prompt_logprobs=1
+    )
     expected = llm.generate([PROMPTS[0], PROMPTS[2]], params, use_tqdm=False)
     for r, e in zip(records, expected, strict=True):
+        assert r["prompt_logprobs"][0] is None
+        assert [[p["token_id"] for p in pos] for pos in r["prompt_logprobs"][1:]] == [
+            list(entry) for entry in e.prompt_logprobs[1:]
+        ]
+        assert [pos[0]["logprob"] for pos in r["prompt_logprobs"][1:]] == [
+            entry[t].logprob for t, entry in zip(e.prompt_token_ids[1:], e.prompt_logprobs[1:])
+        ]
         assert [c["index"] for c in r["completions"]] == [0, 1, 2]
         assert [c["token_ids"] for c in r["completions"]] == [c.token_ids for c in e.outputs]
         assert r["token_ids"] == r["completions"][0]["token_ids"]  # the first's, at the top
@@ -155,6 +164,7 @@ def test_num_completions_and_logprobs(llama_dir, tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out.count("    output 2: ") == 2 and "cumulative logprob" in captured.out
     assert captured.out.count("    logprobs: ") == 6
+    assert captured.out.count("    prompt logprobs: ") == 2
     assert "2 requests, 24 generated tokens" in captured.err
 
 
@@ -165,6 +175,10 @@ def test_num_completions_and_logprobs(llama_dir, tmp_path, capsys):
         (
             ["--logprobs", "21"],
             "--logprobs: logprobs must be None or an integer in [0, 20], got 21",
+        ),
+        (
+            ["--prompt-logprobs", "-1"],
+            "--prompt-logprobs: prompt_logprobs must be None or an integer in [0, 20], got -1",
         ),
         (["--repetition-penalty", "0"], "--repetition-penalty: repetition_penalty must be > 0"),
         (["--min-p", "2"], "--min-p: min_p must be in [0, 1], got 2.0"),

@@ -87,7 +87,9 @@ def test_sampling_fields_and_defaults() -> None:
         {"logprobs": -1},
         {"top_logprobs": 2},
         {"echo": "yes"},
-        {"echo": True, "logprobs": 1},
+        {"prompt_logprobs": 21},
+        {"prompt_logprobs": 1.0},
+        {"prompt_logprobs": 1, "stream": True},
         {"logit_bias": {"x": 5}},
         {"logit_bias": {"1": 500}},
         {"logit_bias": {"1": "5"}},
@@ -109,6 +111,8 @@ def test_a_bad_or_unsupported_field_is_a_400(field: dict) -> None:
         ({"top_k": -3}, "top_k"),
         ({"n": 0}, "n"),
         ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"min_p": 2}, "min_p"),
         ({"skip_special_tokens": "no"}, "skip_special_tokens"),
@@ -141,6 +145,21 @@ def test_echo_is_a_completions_field() -> None:
     with pytest.raises(ApiError) as e:
         chat_request({"messages": [{"role": "user", "content": "x"}], "echo": True})
     assert e.value.param == "echo"
+
+
+def test_prompt_logprobs_fields() -> None:
+    """vLLM's ``prompt_logprobs``; ``echo`` with ``logprobs`` asks for them too (the echoed
+    prompt is scored: lm-evaluation-harness's loglikelihood requests)."""
+    assert completion_request({"prompt": "x"}).params.prompt_logprobs is None
+    assert completion_request({"prompt": "x", "prompt_logprobs": 0}).params.prompt_logprobs == 0
+    echoed = completion_request({"prompt": "x", "echo": True, "logprobs": 3}).params
+    assert (echoed.logprobs, echoed.prompt_logprobs) == (3, 3)
+    assert completion_request({"prompt": "x", "echo": True}).params.prompt_logprobs is None
+    assert completion_request({"prompt": "x", "logprobs": 3}).params.prompt_logprobs is None
+    both = {"prompt": "x", "echo": True, "logprobs": 3, "prompt_logprobs": 1}
+    assert completion_request(both).params.prompt_logprobs == 1  # as given
+    chat = {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 5}
+    assert chat_request(chat).params.prompt_logprobs == 5
 
 
 def test_chat_logprobs_fields() -> None:

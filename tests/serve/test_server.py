@@ -220,6 +220,57 @@ def test_echo_prepends_each_prompt(client, reference) -> None:
     assert streamed == [c.text for c in r.choices]
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, reference) -> None:
+    """lm-evaluation-harness's loglikelihood request: ``echo`` + ``logprobs`` +
+    ``max_tokens=1`` gives the prompt's tokens their log-probabilities (the first null)
+    before the generated token's, as ``LLM.generate`` computes them."""
+    prompt = "Hello world"
+    body = dict(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1, **GREEDY)
+    r = client.completions.create(**body)
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1, prompt_logprobs=1)
+    (ref,) = reference.generate([prompt], params, use_tqdm=False)
+    ids, plp, out = ref.prompt_token_ids, ref.prompt_logprobs, ref.outputs[0]
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == prompt + out.text
+    assert len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == [e[t].logprob for t, e in zip(ids[1:], plp[1:])] + [
+        out.logprobs[0][out.token_ids[0]].logprob
+    ]
+    assert lp.top_logprobs[1:-1] == [
+        {e.decoded_token: e.logprob for e in entry.values()} for entry in plp[1:]
+    ]
+    tok = reference.get_tokenizer()
+    assert lp.tokens[:-1] == [tok.decode([t]) for t in ids]
+    assert len({v for v in lp.token_logprobs[1:]}) > 3  # they vary
+    # offsets: the prompt's tokens from 0, the generated one where it starts in the text
+    assert lp.text_offset[0] == 0 and lp.text_offset[-1] == len(prompt)
+    streamed: dict[str, list] = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for chunk in client.completions.create(**body, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            for key, values in streamed.items():
+                values += getattr(chunk.choices[0].logprobs, key)
+    assert streamed == {k: getattr(lp, k) for k in streamed}
+    # vLLM's prompt_logprobs field: per prompt token, {token id: {logprob, rank, decoded_token}}
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, extra_body={"prompt_logprobs": 2}, **GREEDY
+    )
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert r.choices[0].logprobs is None and got[0] is None and len(got) == len(ids)
+    for t, entry, ours in zip(ids[1:], got[1:], plp[1:]):
+        assert next(iter(entry)) == str(t) and entry[str(t)]["logprob"] == ours[t].logprob
+        assert entry[str(t)]["decoded_token"] == tok.decode([t])
+        others = sorted(v["rank"] for k, v in entry.items() if k != str(t))
+        assert others == [r for r in (1, 2) if r != entry[str(t)]["rank"]]  # the top 2
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_body={"prompt_logprobs": 0}, **GREEDY,
+    )  # fmt: skip
+    plp_chat = chat.model_extra["prompt_logprobs"]
+    assert plp_chat[0] is None and len(plp_chat) == chat.usage.prompt_tokens > 3
+    assert all(len(entry) == 1 for entry in plp_chat[1:])
+
+
 def test_logit_bias_through_the_client(client) -> None:
     r = client.completions.create(
         model=MODEL, prompt="Hello", max_tokens=4, logit_bias={"65": 100}, **GREEDY
@@ -401,7 +452,8 @@ def test_bad_request_is_a_400_naming_it(server, body, word: str) -> None:
         ("/v1/completions", {"prompt": ["a", "b" * 510], "max_tokens": 5}, "max_tokens", "in the 'prompt[1]', 5 in the completion"),
         ("/v1/completions", {"prompt": ["a", [10**9]]}, "prompt", "'prompt[1]' has token ids outside"),
         ("/v1/completions", {"prompt": "x" * 600}, "prompt", "more than max_model_len"),
-        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs",
+         "not available with 'stream'"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6},
          "max_tokens", "context length"),
         ("/v1/completions", {"prompt": "x", "seed": 2**70}, "seed", "64-bit"),

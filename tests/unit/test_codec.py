@@ -16,7 +16,13 @@ from hypothesis import strategies as st
 
 from sarathi_pp.comm.codec import MAX_DEPTH, WIRE_VERSION, CodecError, decode, encode, record_fields
 from sarathi_pp.events import StageEvent
-from sarathi_pp.microbatch import MicroBatch, ScheduledChunk, StepResult, TokenLogprobs
+from sarathi_pp.microbatch import (
+    MicroBatch,
+    PromptChunkLogprobs,
+    ScheduledChunk,
+    StepResult,
+    TokenLogprobs,
+)
 from sarathi_pp.planner.memory import StageMemory
 from sarathi_pp.sampling_params import SamplingParams
 
@@ -45,6 +51,7 @@ sampling_params = st.builds(
     repetition_penalty=st.floats(0.01, 10.0),
     min_tokens=st.integers(0, 1),
     logit_bias=st.dictionaries(IDS, st.floats(-100.0, 100.0), max_size=3),
+    prompt_logprobs=st.one_of(st.none(), st.integers(0, 20)),
 )
 
 
@@ -59,6 +66,8 @@ def chunks(is_prefill: bool) -> st.SearchStrategy[ScheduledChunk]:
         sampling_params=st.one_of(st.none(), sampling_params),
         num_output_tokens=st.integers(0, 4096),
         history=st.lists(IDS, max_size=20).map(tuple),
+        prompt_targets=st.lists(IDS, max_size=20).map(tuple) if is_prefill else st.just(()),
+        prompt_logprobs=st.integers(0, 20),
     )
 
 
@@ -94,8 +103,14 @@ token_logprobs = st.integers(0, 5).flatmap(
         top_logprobs=st.lists(LOGPROBS, min_size=k, max_size=k).map(tuple),
     )
 )
+prompt_chunk_logprobs = st.builds(
+    PromptChunkLogprobs,
+    first=st.integers(1, 2**31 - 1),
+    tokens=st.lists(token_logprobs, max_size=6).map(tuple),
+)
 step_results = st.builds(
     StepResult,
+    prompt_logprobs=st.dictionaries(IDS, prompt_chunk_logprobs, max_size=3),
     sampled=st.dictionaries(IDS, IDS, max_size=8),
     logprobs=st.dictionaries(IDS, token_logprobs, max_size=4),
     errors=st.dictionaries(IDS, TEXT, max_size=3),
@@ -152,6 +167,7 @@ def test_floats_are_exact_and_nan_travels():
         MicroBatch,
         StageEvent,
         TokenLogprobs,
+        PromptChunkLogprobs,
         StepResult,
         StageMemory,
     ],
@@ -166,7 +182,7 @@ def _packed(value) -> bytes:
     return msgpack.packb([WIRE_VERSION, value], use_bin_type=True)
 
 
-CHUNK = [1, 0, [5, 6], True, [0], None, 1, -1, []]  # a valid ScheduledChunk's fields
+CHUNK = [1, 0, [5, 6], True, [0], None, 1, -1, [], [6], 0]  # a valid ScheduledChunk's fields
 
 
 def _params(**fields) -> list:
@@ -195,14 +211,14 @@ def _params(**fields) -> list:
         (_packed(["microbatch", 1]), "microbatch: expected the 3 fields of a MicroBatch, got 1"),
         (
             _packed(["microbatch", 1, [CHUNK[:3]], []]),
-            "microbatch.chunks[0]: expected the 9 fields",
+            "microbatch.chunks[0]: expected the 11 fields",
         ),
         (
-            _packed(["microbatch", 1, [[1, 0, [5, "6"], True, [0], None, 1, -1, []]], []]),
+            _packed(["microbatch", 1, [[1, 0, [5, "6"], True, [0], None, 1, -1, [], [], 0]], []]),
             "microbatch.chunks[0].token_ids: expected int items, got str",
         ),
         (
-            _packed(["microbatch", 1, [[1, 0, [5], 1, [0], None, 1, -1, []]], []]),
+            _packed(["microbatch", 1, [[1, 0, [5], 1, [0], None, 1, -1, [], [], 0]], []]),
             "microbatch.chunks[0].is_prefill: expected bool, got int",
         ),
         (
@@ -232,10 +248,12 @@ def _params(**fields) -> list:
                         [
                             *CHUNK[:5],
                             [1, 0.5, 1, 0, None, 0, [], [], False, None, False, 0.0, False, True]
-                            + [0.0, 0.0, 1.0, 0, []],
+                            + [0.0, 0.0, 1.0, 0, [], None],
                             0,
                             -1,
                             [],
+                            [],
+                            0,
                         ]
                     ],
                     [],
@@ -245,13 +263,22 @@ def _params(**fields) -> list:
         ),
         (_packed(["stage_memory", 0, 1, 2]), "expected the 4 fields of a StageMemory, got 3"),
         (
-            _packed(["step_result", [[1]], [], [], None, []]),
+            _packed(["step_result", [[1]], [], [], None, [], []]),
             "step_result.sampled[0]: expected a [key, value] pair",
         ),
-        (_packed(["step_result", [], [], [], 5, []]), "step_result.failure: expected str, got int"),
         (
-            _packed(["step_result", [], [], [], None, [[2, ["token_logprobs", -1.0, 1, [], []]]]]),
+            _packed(["step_result", [], [], [], 5, [], []]),
+            "step_result.failure: expected str, got int",
+        ),
+        (
+            _packed(
+                ["step_result", [], [], [], None, [[2, ["token_logprobs", -1.0, 1, [], []]]], []]
+            ),
             "step_result.logprobs[2]: expected the 4 fields of a TokenLogprobs",
+        ),
+        (
+            _packed(["step_result", [], [], [], None, [], [[2, [1, [[-1.0, 1, [], [], 0]]]]]]),
+            "step_result.prompt_logprobs[2].tokens[0]: expected the 4 fields of a TokenLogprobs",
         ),
     ],
 )
