@@ -143,6 +143,7 @@ class _Routes:
                 raise
 
         choices = _Choices([c[0] for c in children], [c[3] for c in children])
+        choices.echo_only = req.echo_only
         return await self._generate(request, req, request_id, choices, add, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -225,10 +226,12 @@ class _Routes:
         for index, out in enumerate(choices.final):
             c = out.outputs[0]
             echo = choices.echo[index] if choices.echo else ""
-            lp = _logprobs(req, c.token_ids, c.logprobs, chat, text_offset=len(echo))
+            token_ids, text = ([], "") if req.echo_only else (c.token_ids, c.text)
+            logprobs = None if c.logprobs is None else c.logprobs[: len(token_ids)]
+            lp = _logprobs(req, token_ids, logprobs, chat, text_offset=len(echo))
             if echo and lp is not None:
                 lp = p.joined_logprobs(choices.echoed_logprobs(index, out), lp)
-            answer = {"text": echo + c.text, "finish_reason": c.finish_reason, "logprobs": lp}
+            answer = {"text": echo + text, "finish_reason": c.finish_reason, "logprobs": lp}
             if req.params.prompt_logprobs is not None:  # vLLM's field
                 answer["prompt_logprobs"] = p.prompt_logprobs_json(out.prompt_logprobs)
             answers.append(answer)
@@ -261,21 +264,23 @@ class _Routes:
                     break
                 index = choices.update(out)
                 completion = out.outputs[0]
-                text = completion.text
+                text = "" if req.echo_only else completion.text
+                token_ids = [] if req.echo_only else completion.token_ids
                 end = len(text) if out.finished else _safe_end(text, stops)
                 delta, num_sent[index] = text[num_sent[index] : end], max(num_sent[index], end)
                 if delta or out.finished:
-                    first, tokens_sent[index] = tokens_sent[index], len(completion.token_ids)
-                    new = completion.token_ids[first:]
+                    first, tokens_sent[index] = tokens_sent[index], len(token_ids)
+                    new = token_ids[first:]
                     lp = None
                     echo = choices.echo[index] if choices.echo else ""
                     if completion.logprobs is not None:
                         lp = _logprobs(
-                            req, new, completion.logprobs[first:], chat,
+                            req, new, completion.logprobs[first : len(token_ids)], chat,
                             text_offset=len(echo) + num_sent[index] - len(delta),
                         )  # fmt: skip
                     reason = completion.finish_reason
-                    if echo and first == 0:  # the choice's first chunk: its prompt
+                    if echo and not choices.echoed[index]:  # the first chunk: its prompt
+                        choices.echoed[index] = True
                         delta = echo + delta
                         if lp is not None:
                             lp = p.joined_logprobs(choices.echoed_logprobs(index, out), lp)
@@ -340,6 +345,8 @@ class _Choices:
         self.failed = False  # the stream ended on an error
         self.echo: list[str] = []  # with echo: each choice's prompt text, set when added
         self.first_text: list[str] = []  # and with logprobs: its first token's text
+        self.echoed = [False] * len(ids)  # streaming: the prompt has been sent
+        self.echo_only = False  # ``max_tokens: 0`` with echo: no completion tokens
 
     def echoed_logprobs(self, index: int, out: Any) -> dict[str, Any]:
         """The ``logprobs`` of choice ``index``'s echoed prompt (``out``: its output), its
@@ -377,7 +384,8 @@ class _Choices:
             if o is not None
         }
         outs = [o for o in self._latest if o is not None]
-        return p.usage(sum(prompt_tokens.values()), sum(len(o.outputs[0].token_ids) for o in outs))
+        completion_tokens = 0 if self.echo_only else sum(len(o.outputs[0].token_ids) for o in outs)
+        return p.usage(sum(prompt_tokens.values()), completion_tokens)
 
 
 def _done(out: Any) -> bool:

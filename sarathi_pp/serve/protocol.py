@@ -137,6 +137,7 @@ class GenerateRequest:
     messages: list[dict[str, Any]] | None = None
     max_tokens: int | None = None  # as given (None: the default, 16)
     echo: bool = False  # completions: each choice's text starts with its prompt
+    echo_only: bool = False  # and ``max_tokens: 0``: it is only its prompt (vLLM's)
 
 
 # Prompts in one completion request at most, and choices (prompts x ``n``: each its own
@@ -199,13 +200,20 @@ def sampling_params(
     max_tokens_keys: tuple[str, ...],
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    echo: bool | None = None,
 ) -> SamplingParams:
+    """``echo``: completions' ``echo`` (``None``: the endpoint has none), with which
+    ``max_tokens`` may be 0 (the prompt alone comes back, as vLLM: one token is generated
+    and dropped)."""
     max_tokens = DEFAULT_MAX_TOKENS
     for key in max_tokens_keys:  # the first one given wins
         if body.get(key) is not None:
             max_tokens = _get(body, key, "int")
-            if max_tokens < 1:
-                raise bad_request(f"'{key}' must be >= 1, got {max_tokens}", key)
+            if max_tokens == 0 and echo:
+                max_tokens = 1
+            elif max_tokens < 1:
+                least = "1" if echo is None else "0 with 'echo', else 1"
+                raise bad_request(f"'{key}' must be >= {least}, got {max_tokens}", key)
             break
     top_k = _get(body, "top_k", "int", 0)
     n = _get(body, "n", "int", 1)
@@ -311,7 +319,8 @@ def _common(body: Any, max_tokens_keys: tuple[str, ...], chat: bool) -> dict[str
         raise bad_request("'stream_options.include_usage' must be a bool", "stream_options")
     logprobs = _logprobs(body, chat)
     prompt_logprobs = _prompt_logprobs(body, stream, logprobs)
-    params = sampling_params(body, max_tokens_keys, logprobs, prompt_logprobs)
+    echo = None if chat else body.get("echo") is True
+    params = sampling_params(body, max_tokens_keys, logprobs, prompt_logprobs, echo)
     given = any(body.get(key) is not None for key in max_tokens_keys)
     return {
         "model": _get(body, "model", "str"),
@@ -342,7 +351,8 @@ def completion_request(body: Any) -> GenerateRequest:
             f"at most {MAX_CHOICES} choices per request (prompts x n), got {len(prompts)} x {n}",
             "n",
         )
-    return GenerateRequest(prompts=prompts, echo=echo, **common)
+    echo_only = echo and body.get("max_tokens") == 0
+    return GenerateRequest(prompts=prompts, echo=echo, echo_only=echo_only, **common)
 
 
 def _prompt(prompt: Any, where: str) -> Prompt:

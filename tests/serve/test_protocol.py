@@ -162,6 +162,20 @@ def test_prompt_logprobs_fields() -> None:
     assert chat_request(chat).params.prompt_logprobs == 5
 
 
+def test_max_tokens_zero_needs_echo() -> None:
+    r = completion_request({"prompt": "x", "echo": True, "max_tokens": 0})
+    assert r.echo_only and r.params.max_tokens == 1  # one token generated and dropped
+    assert not completion_request({"prompt": "x", "echo": True, "max_tokens": 2}).echo_only
+    with pytest.raises(ApiError, match="'max_tokens' must be >= 0 with 'echo', else 1") as e:
+        completion_request({"prompt": "x", "max_tokens": 0})
+    assert e.value.param == "max_tokens"
+    with pytest.raises(ApiError, match="must be >= 0 with 'echo'"):
+        completion_request({"prompt": "x", "echo": True, "max_tokens": -1})
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}
+    with pytest.raises(ApiError, match="'max_tokens' must be >= 1, got 0"):
+        chat_request(chat)
+
+
 def test_chat_logprobs_fields() -> None:
     chat = {"messages": [{"role": "user", "content": "x"}]}
     assert chat_request(chat).params.logprobs is None

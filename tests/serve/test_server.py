@@ -251,6 +251,21 @@ def test_echo_with_logprobs_scores_the_prompt(client, reference) -> None:
             for key, values in streamed.items():
                 values += getattr(chunk.choices[0].logprobs, key)
     assert streamed == {k: getattr(lp, k) for k in streamed}
+    # max_tokens 0 with echo (vLLM's): the prompt alone, scored; no completion tokens
+    only = client.completions.create(**{**body, "max_tokens": 0})
+    assert only.choices[0].text == prompt and only.usage.completion_tokens == 0
+    assert only.usage.prompt_tokens == len(ids)
+    olp = only.choices[0].logprobs
+    assert (olp.tokens, olp.token_logprobs) == (lp.tokens[:-1], lp.token_logprobs[:-1])
+    assert olp.text_offset == lp.text_offset[:-1]
+    chunks = list(client.completions.create(**{**body, "max_tokens": 0}, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+    assert [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.tokens
+    ] == olp.tokens
     # vLLM's prompt_logprobs field: per prompt token, {token id: {logprob, rank, decoded_token}}
     r = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=2, extra_body={"prompt_logprobs": 2}, **GREEDY
