@@ -82,17 +82,11 @@ def logprobs(
     if not rows:
         return {}
     idx = torch.tensor(rows, device=logits.device)
-    lp = logits[idx].float().log_softmax(dim=-1)
-    chosen = torch.tensor([tokens[i] for i in rows], device=logits.device).unsqueeze(1)
-    chosen_lp = lp.gather(1, chosen)
-    ranks = (lp > chosen_lp).sum(dim=-1) + 1
     k = max(params[i].logprobs or 0 for i in rows)
-    top_lp, top_ids = lp.topk(k, dim=-1)
-    top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
     out = {}
-    for j, (i, token_lp, rank) in enumerate(zip(rows, chosen_lp[:, 0].tolist(), ranks.tolist())):
+    for i, lp in zip(rows, _ranked(logits[idx], [tokens[i] for i in rows], k)):
         n = params[i].logprobs or 0
-        out[i] = TokenLogprobs(token_lp, rank, tuple(top_ids_l[j][:n]), tuple(top_lp_l[j][:n]))
+        out[i] = TokenLogprobs(lp.logprob, lp.rank, lp.top_ids[:n], lp.top_logprobs[:n])
     return out
 
 
@@ -104,19 +98,21 @@ def target_logprobs(
     from raw logits; ``None`` when a row's logits are not finite."""
     if not torch.isfinite(logits).all():
         return None
+    return _ranked(logits, targets, k)
+
+
+def _ranked(logits: torch.Tensor, chosen: list[int], k: int) -> tuple[TokenLogprobs, ...]:
+    """Per row: ``chosen[i]``'s log-probability and rank, and the ``k`` most likely
+    tokens', from one batched ``log_softmax`` and ``topk``."""
     lp = logits.float().log_softmax(dim=-1)
-    chosen = torch.tensor(targets, device=logits.device).unsqueeze(1)
-    chosen_lp = lp.gather(1, chosen)
+    ids = torch.tensor(chosen, device=logits.device).unsqueeze(1)
+    chosen_lp = lp.gather(1, ids)
     ranks = (lp > chosen_lp).sum(dim=-1) + 1
-    if k:
-        top_lp, top_ids = lp.topk(k, dim=-1)
-        top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
-    else:
-        top_lp_l = top_ids_l = [[]] * len(targets)
+    top_lp, top_ids = lp.topk(k, dim=-1)
     return tuple(
-        TokenLogprobs(value, rank, tuple(ids), tuple(values))
-        for value, rank, ids, values in zip(
-            chosen_lp[:, 0].tolist(), ranks.tolist(), top_ids_l, top_lp_l
+        TokenLogprobs(value, rank, tuple(t_ids), tuple(t_lps))
+        for value, rank, t_ids, t_lps in zip(
+            chosen_lp[:, 0].tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist()
         )
     )
 

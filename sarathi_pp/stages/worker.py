@@ -32,6 +32,8 @@ from sarathi_pp.stages.sampler import (
 # Prompt rows turned into logits at once (``SamplingParams.prompt_logprobs``): 256 rows of a
 # 150K vocabulary are 150 MB of float32.
 PROMPT_LOGITS_ROWS = 256
+# A row's logits are not all finite (a sampled token's, a prompt position's): its request fails.
+NON_FINITE = "the model produced non-finite logits"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -175,7 +177,7 @@ class StageWorker:
             if chunk.seq_id in result.errors:
                 continue
             if token == INVALID_TOKEN:
-                result.errors[chunk.seq_id] = "the model produced non-finite logits"
+                result.errors[chunk.seq_id] = NON_FINITE
             else:
                 result.sampled[chunk.seq_id] = token
         return result
@@ -201,7 +203,7 @@ class StageWorker:
                 logits = self.model.logits(hidden[at : at + len(targets)])
                 part = target_logprobs(logits, targets, c.prompt_logprobs)
                 if part is None:
-                    result.errors[c.seq_id] = "the model produced non-finite logits"
+                    result.errors[c.seq_id] = NON_FINITE
                     break
                 parts.extend(part)
             else:
