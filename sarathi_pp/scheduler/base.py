@@ -427,7 +427,7 @@ class Scheduler(ABC):
         reaches_end = seq.num_scheduled_tokens >= seq.num_tokens
         history: tuple[int, ...] = ()
         targets: tuple[int, ...] = ()
-        if is_prefill and start + 1 < seq.num_prompt_tokens and seq.wants_prompt_logprobs:
+        if is_prefill and seq.wants_prompt_logprobs:  # none past the prompt
             targets = tuple(seq.prompt_token_ids[start + 1 : start + n + 1])
         if reaches_end:
             seq.sampling_microbatch = self._next_microbatch_id
