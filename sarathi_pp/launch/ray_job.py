@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from sarathi_pp.cli import build_parser
+from sarathi_pp.cli import build_parser, generate
 from sarathi_pp.cli import main as cli_main
 from sarathi_pp.cli.common import PROG
 
@@ -26,13 +26,12 @@ RAY_JOB_PROG = "python -m sarathi_pp.launch.ray_job"
 def usage() -> str:
     """``sarathi-pp generate``'s help under this entry point's name (its flags are
     generate's), and what differs: the stages always run as Ray actors."""
-    parser = build_parser()
-    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    generate = subcommands.choices["generate"]
-    generate.prog = RAY_JOB_PROG
+    subcommands = argparse.ArgumentParser().add_subparsers()
+    generate.add_parser(subcommands)
+    parser = subcommands.choices["generate"]
+    parser.prog = RAY_JOB_PROG
     return (
-        generate.format_help()
-        + f"\n{RAY_JOB_PROG} is {PROG} generate with the stages on Ray actors "
+        parser.format_help() + f"\n{RAY_JOB_PROG} is {PROG} generate with the stages on Ray actors "
         "(parallel.executor=ray), connected to RAY_ADDRESS inside a Ray job.\n"
     )
 
