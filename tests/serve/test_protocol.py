@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 pytest.importorskip("fastapi")
@@ -204,3 +206,46 @@ def test_stream_holds_back_a_possible_stop_string_start() -> None:
     assert _safe_end("hello wo", ("world",)) == 6  # "wo" may start "world"
     assert _safe_end("hello w", ("xyz",)) == 7
     assert _safe_end("ab", ("abc", "b!")) == 0  # "ab" may start "abc"
+
+
+class _Reads(dict):
+    """A request body that records every field the server looks at."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.read: set[str] = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+def test_every_field_the_server_reads_is_known() -> None:
+    """The fields named in the "present in the request but ignored" warning are those outside
+    ``_KNOWN_FIELDS`` (a hand list): every field the request parsing reads must be in it, or
+    a field the server uses would be reported as ignored."""
+    from sarathi_pp.serve.protocol import _KNOWN_FIELDS
+
+    bodies = [
+        (completion_request, {"prompt": "hi"}),
+        (completion_request, {"prompt": "hi", "echo": True, "logprobs": 2, "max_tokens": 0}),
+        (completion_request, {"prompt": "hi", "prompt_logprobs": 1, "stream": True}),
+        (chat_request, {"messages": [{"role": "user", "content": "hi"}]}),
+        (chat_request, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}),
+    ]
+    read: set[str] = set()
+    for parse, fields in bodies:
+        body = _Reads(fields)
+        with contextlib.suppress(ApiError):  # refused combinations are read all the same
+            parse(body)
+        read |= body.read
+    assert {"prompt", "messages", "max_tokens", "temperature", "top_logprobs"} <= read
+    assert read - _KNOWN_FIELDS == set()
