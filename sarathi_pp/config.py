@@ -27,6 +27,8 @@ EXECUTORS = ("auto", "uniproc", "ray", "ray_compiled", "torchrun")
 RING_EXECUTORS = ("uniproc", "ray")
 # The scheduler policies (``scheduler/registry.py`` maps each to its class).
 SCHEDULER_POLICIES = ("sarathi", "vllm", "orca", "simple_chunking")
+# The policies that run whole prompts (``chunk_size`` unused); the others split prompts by it.
+WHOLE_PROMPT_POLICIES = ("vllm", "orca")
 BUILTIN_PREFIX = "builtin:"  # model.path of a model the project builds itself
 # Builtin models with random weights, whose text means nothing (a notice says so).
 RANDOM_WEIGHT_MODELS = frozenset({"builtin:tiny-llama"})
@@ -134,6 +136,11 @@ class SchedulerConfig:
     max_waiting: int | None = None
     """Most requests waiting to be admitted; a request past it is refused with
     ``QueueFullError`` (an HTTP server answers 429). ``None`` = unbounded."""
+
+    @property
+    def chunks_prompts(self) -> bool:
+        """Whether ``policy`` splits prompts by the ``chunk_size`` budget (vllm/orca: no)."""
+        return self.policy not in WHOLE_PROMPT_POLICIES
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULER_POLICIES:

@@ -42,7 +42,7 @@ from sarathi_pp.microbatch import (
 from sarathi_pp.planner.memory import StageMemory
 from sarathi_pp.sampling_params import SamplingParams
 
-WIRE_VERSION = 2  # 2: prompt log-probabilities (chunk targets, step results)
+WIRE_VERSION = 3  # 2: prompt log-probabilities (chunk targets, step results); 3: M_A
 MAX_DEPTH = 8  # tuples inside tuples; the deepest real message is 2: ("ok", .., (result, event))
 
 
@@ -259,7 +259,13 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
     ),
     StageMemory: (
         "stage_memory",
-        {"stage_idx": INT, "param_bytes": INT, "kv_bytes_per_token": INT, "memory_bytes": INT},
+        {
+            "stage_idx": INT,
+            "param_bytes": INT,
+            "kv_bytes_per_token": INT,
+            "memory_bytes": INT,
+            "activation_bytes": INT,
+        },
     ),
 }
 _BY_TAG = {tag: cls for cls, (tag, _) in _RECORDS.items()}

@@ -58,7 +58,7 @@ from sarathi_pp.placement import (
     partition_layers,
     resolve_placement,
 )
-from sarathi_pp.planner.memory import StageMemory
+from sarathi_pp.planner.memory import StageMemory, with_activations
 from sarathi_pp.stages.device import probe_resources
 from sarathi_pp.stages.worker import StageSpec
 
@@ -229,7 +229,9 @@ class RayExecutor:
 
     # --- Executor --------------------------------------------------------------------------------
     def load_model(self) -> list[StageMemory]:
-        return self._get([a.load_model.remote() for a in self.actors], "loading weights")
+        memory = self._get([a.load_model.remote() for a in self.actors], "loading weights")
+        c = self._checkpoint
+        return with_activations(memory, self._config, c.spec, self.placement, c.max_model_len)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._get([a.init_kv_cache.remote(num_blocks, block_size) for a in self.actors], "KV cache")

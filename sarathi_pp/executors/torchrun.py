@@ -43,7 +43,7 @@ from sarathi_pp.events import StageEvent
 from sarathi_pp.executors.base import StageError
 from sarathi_pp.microbatch import MicroBatch, StepResult, retry_one_at_a_time, without_failed
 from sarathi_pp.placement import Placement, Resources, resolve_placement
-from sarathi_pp.planner.memory import StageMemory
+from sarathi_pp.planner.memory import StageMemory, with_activations
 from sarathi_pp.stages.device import probe_resources
 from sarathi_pp.stages.pipeline_stage import PipelineStage
 from sarathi_pp.stages.worker import StageSpec
@@ -134,6 +134,7 @@ class TorchrunExecutor:
         self.placement = resolve_placement(config, checkpoint.spec, torchrun_resources())
         self.control = join_pipeline(config, self.placement)
         self.stage = _make_stage(config, checkpoint, self.placement, rank=0)
+        self.config, self.checkpoint = config, checkpoint
         self._inflight: deque[tuple[MicroBatch, StepResult | None, StageEvent]] = deque()
         self._closed = False
 
@@ -147,7 +148,8 @@ class TorchrunExecutor:
             if not isinstance(memory, StageMemory) or memory.stage_idx != rank:
                 raise _unexpected(rank, memory, f"stage {rank}'s StageMemory")
             memories.append(memory)
-        return memories
+        c = self.checkpoint
+        return with_activations(memories, self.config, c.spec, self.placement, c.max_model_len)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         for rank in range(1, self.num_stages):

@@ -16,7 +16,7 @@ from sarathi_pp.config import EngineConfig
 from sarathi_pp.events import StageEvent
 from sarathi_pp.microbatch import MicroBatch, StepResult, fill_ring
 from sarathi_pp.placement import resolve_placement
-from sarathi_pp.planner.memory import StageMemory
+from sarathi_pp.planner.memory import StageMemory, with_activations
 from sarathi_pp.stages.device import probe_resources, set_num_threads
 from sarathi_pp.stages.fault_injector import FaultInjector
 from sarathi_pp.stages.worker import StageSpec, StageWorker
@@ -31,12 +31,15 @@ class UniprocExecutor:
         set_num_threads(self.placement.num_threads)
         stage = StageSpec.of(self.placement, 0)
         self.worker = StageWorker(checkpoint.spec, checkpoint.path, stage, checkpoint.max_model_len)
+        self.config, self.checkpoint = config, checkpoint
         self.faults = FaultInjector(config.parallel.inject_fault, 0)
         self._done: deque[tuple[MicroBatch, StepResult]] = deque()
         self._free_since = time.monotonic()
 
     def load_model(self) -> list[StageMemory]:
-        return [self.worker.memory(self.worker.load_model())]
+        memory = [self.worker.memory(self.worker.load_model())]
+        c = self.checkpoint
+        return with_activations(memory, self.config, c.spec, self.placement, c.max_model_len)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.worker.init_kv_cache(num_blocks, block_size)
@@ -70,6 +73,7 @@ class UniprocExecutor:
 
     def shutdown(self) -> None:
         self._done.clear()
+        self.worker.release()
 
     def _run(self, microbatch: MicroBatch) -> StepResult:
         try:

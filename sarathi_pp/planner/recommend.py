@@ -32,6 +32,7 @@ from sarathi_pp.planner.memory import (
     num_kv_blocks,
     spec_stage_memory,
     stage_bounds,
+    with_activations,
 )
 from sarathi_pp.planner.profile_analysis import analyze_profile
 from sarathi_pp.planner.profile_csv import load_profile
@@ -177,6 +178,7 @@ def make_plan(
     spec, max_model_len = checkpoint.spec, checkpoint.max_model_len
     block_size, num_stages = placement.block_size, placement.num_stages
     stages = spec_stage_memory(spec, num_stages, placement.dtype, placement.memory_bytes)
+    stages = with_activations(stages, config, spec, placement, max_model_len)  # as the engine
     bounds = stage_bounds(stages, max_model_len, config.cache.kv_cache_memory)
     max_num_seqs = config.scheduler.max_num_seqs
     blocks = num_kv_blocks(config.cache, stages, block_size, max_model_len, max_num_seqs)

@@ -46,6 +46,7 @@ def stage_record(plan: Plan, bound: StageBound) -> dict[str, Any]:
         "param_bytes": m.param_bytes,
         "kv_bytes_per_token": m.kv_bytes_per_token,
         "memory_bytes": m.memory_bytes,
+        "activation_bytes": m.activation_bytes,
         "kv_cache_bytes": bound.kv_cache_bytes,
         "max_decode_batch": bound.max_decode_batch,
     }
@@ -64,6 +65,7 @@ def plan_record(plan: Plan) -> dict[str, Any]:
         "kv_bytes_per_token": binding["kv_bytes_per_token"],
         "param_bytes": binding["param_bytes"],
         "memory_bytes": binding["memory_bytes"],
+        "activation_bytes": binding["activation_bytes"],
         "kv_cache_bytes": binding["kv_cache_bytes"],
         "memory_source": plan.placement.memory_source,
         "max_model_len": plan.max_model_len,
@@ -119,9 +121,12 @@ def batch_lines(plan: Plan) -> list[str]:
     for bound in plan.bounds:
         s = bound.memory
         start, end = plan.ranges[s.stage_idx]
+        m_a = ""
+        if s.activation_bytes:
+            m_a = f", M_A = {s.activation_bytes} bytes ({_gib(s.activation_bytes)}) activations"
         lines += [
             f"  stage {s.stage_idx}: layers [{start}, {end}), M_S = {s.param_bytes} bytes "
-            f"({_gib(s.param_bytes)}), {kv_formula(spec, end - start, m.dtype)}",
+            f"({_gib(s.param_bytes)}){m_a}, {kv_formula(spec, end - start, m.dtype)}",
             f"    {bound.formula()}",
         ]
     b = plan.batch

@@ -47,8 +47,11 @@ _OBSERVED = (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH)
 
 
 class Scheduler(ABC):
-    chunks_prompts = True
-    """Whether the policy splits prompts by the ``chunk_size`` budget (vllm/orca: no)."""
+    @property
+    def chunks_prompts(self) -> bool:
+        """Whether the policy splits prompts by the ``chunk_size`` budget (vllm/orca: no;
+        ``config.WHOLE_PROMPT_POLICIES``)."""
+        return self.config.chunks_prompts
 
     def __init__(
         self,

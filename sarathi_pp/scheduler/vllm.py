@@ -13,7 +13,7 @@ from sarathi_pp.sequence import SequenceStatus
 
 
 class VLLMScheduler(Scheduler):
-    chunks_prompts = False  # whole prompts: ``chunk_size`` is not used
+    # whole prompts: ``chunk_size`` is not used (``config.WHOLE_PROMPT_POLICIES``)
 
     def _select(self, now: float) -> Selection:
         selection = self._take_whole_prompts(now, self._token_cap())

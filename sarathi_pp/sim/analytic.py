@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sarathi_pp.microbatch import MicroBatch
-from sarathi_pp.model_spec import DTYPE_BYTES, ModelSpec
+from sarathi_pp.planner.memory import LayerShape
 from sarathi_pp.sim.hardware import Hardware
 
 
@@ -86,35 +86,6 @@ def pad_rows(n: int, tile: int) -> int:
 def _gemm(name: str, rows: int, padded: int, k: int, n: int, b: int) -> Op:
     """``[rows, k] x [k, n]``: FLOPs on the padded rows; bytes of the weight, input, output."""
     return Op(name, 2.0 * padded * k * n, float(b * (k * n + rows * k + rows * n)))
-
-
-@dataclass(frozen=True)
-class LayerShape:
-    """One GPU's share of a layer under tensor parallelism ``tp``."""
-
-    hidden: int
-    q_dim: int  # this GPU's query heads x head_dim
-    kv_dim: int  # this GPU's KV heads x head_dim (replicated when fewer heads than GPUs)
-    inter: int  # this GPU's MLP intermediate columns
-    num_heads: int  # this GPU's query heads
-    head_dim: int
-    vocab: int  # this GPU's lm_head columns
-    dtype_bytes: int
-
-    @classmethod
-    def of(cls, spec: ModelSpec, tp: int, dtype: str) -> LayerShape:
-        if tp < 1 or spec.num_heads % tp:
-            raise ValueError(
-                f"tensor parallelism tp={tp} must divide the model's {spec.num_heads} "
-                "attention heads"
-            )
-        kv_heads = max(1, spec.num_kv_heads // tp)
-        d = spec.head_dim
-        return cls(
-            hidden=spec.hidden_size, q_dim=spec.num_heads // tp * d, kv_dim=kv_heads * d,
-            inter=-(-spec.intermediate_size // tp), num_heads=spec.num_heads // tp,
-            head_dim=d, vocab=-(-spec.vocab_size // tp), dtype_bytes=DTYPE_BYTES[dtype],
-        )  # fmt: skip
 
 
 def layer_ops(shape: LayerShape, rows: Rows, tile: int, tp: int, hw: Hardware) -> list[Op]:
@@ -176,29 +147,6 @@ def embed_ops(shape: LayerShape, rows: Rows) -> list[Op]:
     """The first stage's embedding gather: read and write ``N x hidden``."""
     n = rows.num_rows
     return [Op("embedding", 0.0, float(2 * n * shape.hidden * shape.dtype_bytes))]
-
-
-def activation_bytes(
-    shape: LayerShape, rows: int, in_flight: int, last: bool, sampled: int = 0
-) -> int:
-    """A stage's peak activation memory on one GPU for micro-batches of ``rows`` rows, which
-    its KV cache cannot use (vLLM measures the same figure with a profiling forward pass).
-
-    Inference frees a layer's intermediates before the next layer, so the peak is one
-    layer's working set, the larger of its two halves: attention (the residual stream, the
-    normed input, Q/K/V, the attention output) and the MLP (residual, normed input,
-    gate/up, the activated product). On top: the hidden states of the other micro-batches
-    in flight waiting at the stage (``rows x hidden`` each) and, on the last stage, fp32
-    logits of the ``sampled`` rows (this GPU's vocab share: the runtime's lm_head runs on
-    the rows it samples from, at most one per sequence of the micro-batch)."""
-    s, h = shape, shape.hidden
-    attention = 2 * h + (s.q_dim + 2 * s.kv_dim) + s.q_dim
-    mlp = 2 * h + 3 * s.inter
-    per_row = max(attention, mlp) + (in_flight - 1) * h
-    total = rows * per_row * s.dtype_bytes
-    if last:
-        total += min(rows, sampled) * s.vocab * 4
-    return total
 
 
 def op_seconds(op: Op, hw: Hardware) -> float:

@@ -26,13 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sarathi_pp.checkpoint import Checkpoint
-from sarathi_pp.config import EngineConfig, SchedulerConfig
+from sarathi_pp.config import EngineConfig
 from sarathi_pp.events import StageEvent
 from sarathi_pp.microbatch import MicroBatch, StepResult
 from sarathi_pp.placement import Placement, Resources, resolve_placement
-from sarathi_pp.planner.memory import StageMemory, spec_stage_memory
-from sarathi_pp.scheduler.registry import policy_class
-from sarathi_pp.sim.analytic import LayerShape, activation_bytes
+from sarathi_pp.planner.memory import StageMemory, spec_stage_memory, with_activations
 from sarathi_pp.sim.clock import SimClock
 from sarathi_pp.sim.cost_model import CostModel
 
@@ -51,18 +49,6 @@ class Overheads:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and v >= 0):
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
-
-
-def max_rows(config: SchedulerConfig, max_model_len: int) -> int:
-    """The most rows one micro-batch can have: a chunking policy's token budget (with
-    ``chunk_size: auto``, the largest chunk plus every running decode), else the prefill cap
-    (``max_num_batched_tokens``, default ``max_model_len``) plus every running decode (orca
-    batches both)."""
-    if policy_class(config.policy).chunks_prompts:
-        if config.chunk_size == "auto":
-            return config.max_chunk_size + config.max_num_seqs
-        return int(config.chunk_size)
-    return (config.max_num_batched_tokens or max_model_len) + config.max_num_seqs
 
 
 def _token_id(eos_ids: tuple[int, ...]) -> int:
@@ -94,28 +80,18 @@ class SimExecutor:
 
     def load_model(self) -> list[StageMemory]:
         """Each GPU's share of its stage: parameters and K/V split over ``tp``; on a
-        simulated GPU, ``M_G`` less the stage's peak activation memory (``max_rows``,
-        ``analytic.activation_bytes``), which the KV cache cannot have."""
+        simulated GPU, the stage's peak activation memory ``M_A`` for one GPU of ``tp``
+        (``planner.memory.with_activations``, as the real executors), which the KV cache
+        cannot have."""
         p = self.placement
         stages = spec_stage_memory(self.spec, self.num_stages, p.dtype, p.memory_bytes)
         kv_split = min(self.tp, self.spec.num_kv_heads)  # KV heads replicated past that
-        shape = LayerShape.of(self.spec, self.tp, p.dtype)
-        rows = max_rows(self.config.scheduler, self.max_model_len)
-        in_flight = self.config.parallel.microbatches_in_flight + int(p.schedule_ahead)
-        last = self.num_stages - 1
-        self.activation_bytes = [
-            activation_bytes(
-                shape, rows, in_flight, s.stage_idx == last, self.config.scheduler.max_num_seqs
-            )
-            if p.device.startswith("cuda") else 0
+        per_gpu = [
+            StageMemory(s.stage_idx, s.param_bytes // self.tp,
+                        max(1, s.kv_bytes_per_token // kv_split), s.memory_bytes)
             for s in stages
         ]  # fmt: skip
-        return [
-            StageMemory(s.stage_idx, s.param_bytes // self.tp,
-                        max(1, s.kv_bytes_per_token // kv_split),
-                        max(0, s.memory_bytes - act))
-            for s, act in zip(stages, self.activation_bytes, strict=True)
-        ]  # fmt: skip
+        return with_activations(per_gpu, self.config, self.spec, p, self.max_model_len, self.tp)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size

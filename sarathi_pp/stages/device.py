@@ -85,3 +85,31 @@ def set_num_threads(num_threads: int | None) -> None:
     """Apply a placement's CPU threads (``None``: keep torch's default)."""
     if num_threads is not None:
         torch.set_num_threads(num_threads)
+
+
+def free_memory_error(free: int, total: int, needed: int, what: str, device: str) -> str | None:
+    """Why ``device`` cannot hold ``what`` (``needed`` bytes) with only ``free`` of its
+    ``total`` bytes free, or ``None``."""
+    if free >= needed:
+        return None
+    gib = 2**30
+    return (
+        f"{what} needs {needed / gib:.2f} GiB but {device} has {free / gib:.2f} GiB free of "
+        f"{total / gib:.2f} GiB: another process holds memory on the device, or the settings "
+        "ask for more than it has (lower gpu_memory_utilization, or set kv_cache_memory / "
+        "num_kv_blocks)"
+    )
+
+
+def check_free_cuda_memory(device: torch.device, needed: int, what: str) -> None:
+    """``RuntimeError`` (``free_memory_error``) before allocating ``needed`` bytes on a CUDA
+    ``device`` that has fewer free (torch's own out-of-memory error would not say which
+    setting asked for them); nothing on CPU. Free: the device's, plus what this process's
+    caching allocator holds unused (an engine shut down earlier in the process)."""
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    error = free_memory_error(free, total, needed, what, str(device))
+    if error is not None:
+        raise RuntimeError(error)

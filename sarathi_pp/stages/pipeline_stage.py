@@ -254,3 +254,4 @@ class PipelineStage:
             with contextlib.suppress(Exception):
                 self.ring.flush(timeout_s=min(5.0, self.timeout_s))
         destroy_stage_group()
+        self.worker.release()

@@ -15,8 +15,9 @@ import torch
 from sarathi_pp.microbatch import MicroBatch, PromptChunkLogprobs, StepResult, TokenLogprobs
 from sarathi_pp.model_spec import ModelSpec
 from sarathi_pp.placement import Placement
-from sarathi_pp.planner.memory import StageMemory
+from sarathi_pp.planner.memory import PROMPT_LOGITS_ROWS, StageMemory
 from sarathi_pp.stages.attention import ATTENTION_BACKENDS, select_backend
+from sarathi_pp.stages.device import check_free_cuda_memory
 from sarathi_pp.stages.kv_cache import KVCache
 from sarathi_pp.stages.metadata import build_metadata, sample_rows
 from sarathi_pp.stages.model import StageModel
@@ -29,9 +30,6 @@ from sarathi_pp.stages.sampler import (
     target_logprobs,
 )
 
-# Prompt rows turned into logits at once (``SamplingParams.prompt_logprobs``): 256 rows of a
-# 150K vocabulary are 150 MB of float32.
-PROMPT_LOGITS_ROWS = 256
 # A row's logits are not all finite (a sampled token's, a prompt position's): its request fails.
 NON_FINITE = "the model produced non-finite logits"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,6 +109,12 @@ class StageWorker:
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         assert self.model is not None
+        st = self.stage
+        m_kv = self.spec.kv_bytes_per_token(st.layer_end - st.layer_start, st.dtype)
+        check_free_cuda_memory(
+            self.device, num_blocks * block_size * m_kv,
+            f"stage {st.stage_idx}'s KV cache ({num_blocks} blocks of {block_size} tokens)",
+        )  # fmt: skip
         s = self.spec
         self.kv = KVCache(
             self.model.num_layers,
@@ -128,6 +132,16 @@ class StageWorker:
             attention = ATTENTION_BACKENDS[self.backend](s.num_heads, s.num_kv_heads, s.head_dim)
             for layer in self.model.layers:
                 layer.attention = attention
+
+    def release(self) -> None:
+        """Drop the weights and the KV cache (the stage is shut down); on CUDA, hand the
+        memory back to the device, so a pipeline started next in this process, or another
+        process on the same device, can have it."""
+        self.model = None
+        self.kv = None
+        self.penalties = PenaltyState()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # --- one micro-batch -------------------------------------------------------------------
     @torch.inference_mode()

@@ -50,6 +50,27 @@ def test_cuda_bf16_runs_and_mostly_agrees(llama_dir):
     assert sum(a == b for a, b in zip(first, ref)) >= 3  # bf16 rounding may flip a near-tie
 
 
+def test_cuda_kv_cache_leaves_the_activations_and_shutdown_hands_memory_back(llama_dir):
+    """On CUDA the stage's KV budget is M_G - M_S - M_A (``planner.memory.with_activations``:
+    the peak activations of the largest micro-batch, which vLLM measures with a profiling
+    pass), and a shut-down engine holds no device memory (``StageWorker.release``)."""
+    from sarathi_pp.planner.memory import kv_cache_bytes
+
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    with LLM(
+        str(llama_dir), device="cuda", dtype="float32", max_model_len=512, chunk_size=64
+    ) as llm:
+        [m] = llm.engine.stage_memory
+        assert m.activation_bytes > 0
+        assert kv_cache_bytes(m) == m.memory_bytes - m.param_bytes - m.activation_bytes
+        [out] = llm.generate([prompts()[1]], GREEDY, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 12
+        assert torch.cuda.memory_allocated() > before
+    # the weights and the KV cache are tens of MB; under 1 MiB stays (none is expected)
+    assert torch.cuda.memory_allocated() - before < 1 << 20
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_pp2_over_nccl_equals_pp1(llama_dir):
     with LLM(str(llama_dir), device="cuda", dtype="float32", max_model_len=512) as pp1:

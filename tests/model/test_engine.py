@@ -390,3 +390,19 @@ def test_online_engine_abort_frees_blocks(llama_dir):
     assert engine.step() == []  # nothing more for it
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_shutdown_releases_the_weights_and_the_kv_cache(llama_dir):
+    """A shut-down in-process pipeline holds no tensors: on CUDA its memory goes back to the
+    device, for the next pipeline in the process or another process's stage
+    (``StageWorker.release``)."""
+    import weakref
+
+    llm = LLM(str(llama_dir), max_model_len=128)
+    worker = llm.engine.executor.worker
+    kv = weakref.ref(worker.kv.k[0])  # one layer's K blocks
+    [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert len(ids(out)) == 2
+    llm.shutdown()
+    assert worker.model is None and worker.kv is None
+    assert kv() is None  # nothing else kept it

@@ -117,7 +117,7 @@ step_results = st.builds(
     events=st.lists(stage_events, max_size=3),
     failure=st.one_of(st.none(), TEXT),
 )
-stage_memories = st.builds(StageMemory, IDS, INT64, INT64, INT64)
+stage_memories = st.builds(StageMemory, IDS, INT64, INT64, INT64, INT64)
 # Everything that travels on torchrun's control plane, in the shapes it travels in.
 messages = st.one_of(
     st.none(),  # the stop signal
@@ -261,7 +261,7 @@ def _params(**fields) -> list:
             ),
             "max_tokens must be an integer >= 1",  # SamplingParams' own validation
         ),
-        (_packed(["stage_memory", 0, 1, 2]), "expected the 4 fields of a StageMemory, got 3"),
+        (_packed(["stage_memory", 0, 1, 2, 3]), "expected the 5 fields of a StageMemory, got 4"),
         (
             _packed(["step_result", [[1]], [], [], None, [], []]),
             "step_result.sampled[0]: expected a [key, value] pair",

@@ -92,3 +92,17 @@ def test_this_machine_has_room_for_the_tests_largest_pipeline():
     # The suite runs up to 4 stages at the default 4 GiB budget.
     memory = machine_memory_bytes()
     assert memory is None or memory >= 4 * 4 * GiB, f"{memory} bytes: PP=4 tests would be refused"
+
+
+def test_a_device_without_the_memory_asked_is_named_with_the_figures():
+    from sarathi_pp.stages.device import free_memory_error
+
+    what = "stage 1's KV cache (100 blocks of 16 tokens)"
+    assert free_memory_error(10 * GiB, 80 * GiB, 10 * GiB, what, "cuda:1") is None
+    error = free_memory_error(3 * GiB, 80 * GiB, 60 * GiB, what, "cuda:1")
+    assert error is not None
+    assert error.startswith(
+        "stage 1's KV cache (100 blocks of 16 tokens) needs 60.00 GiB but cuda:1 has 3.00 GiB "
+        "free of 80.00 GiB: another process holds memory on the device"
+    )
+    assert "gpu_memory_utilization" in error

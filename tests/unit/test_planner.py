@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from sarathi_pp.block_manager import blocks_for
-from sarathi_pp.config import CacheConfig
+from sarathi_pp.config import CacheConfig, make_config
 from sarathi_pp.model_spec import ModelSpec
+from sarathi_pp.placement import Placement
 from sarathi_pp.planner.chunk import (
     decode_coverage,
     decodes_per_microbatch,
@@ -20,10 +21,14 @@ from sarathi_pp.planner.memory import (
     StageMemory,
     batch_bound,
     dtype_bytes,
+    free_bytes,
+    kv_cache_bytes,
     max_decode_batch,
+    max_rows,
     num_kv_blocks,
     spec_stage_memory,
     stage_bounds,
+    with_activations,
 )
 
 GiB = 1 << 30
@@ -162,6 +167,65 @@ def test_budget_below_the_parameters_names_the_numbers():
 def test_not_one_sequence_fits_shows_the_formula():
     with pytest.raises(ValueError, match=r"\(1000 - 900\) / \(10 x 20\) = 0.500"):
         max_decode_batch(1000, 900, 10, 20)
+
+
+def _placement(device: str, num_stages: int, memory: int, ahead: bool = False) -> Placement:
+    per = 32 // num_stages
+    ranges = tuple((i * per, (i + 1) * per) for i in range(num_stages))
+    return Placement(device, "float16", None, "", memory, "", 16, ranges, schedule_ahead=ahead)
+
+
+def test_activations_come_off_the_kv_cache_on_cuda():
+    # Llama-2-7B fp16, one 80 GiB GPU at 0.9, chunks of 512, one micro-batch in flight.
+    # Per row of a layer: attention 2 x 4096 (residual, normed) + 3 x 4096 (q, k, v) + 4096
+    # (output) = 24_576; MLP 2 x 4096 + 3 x 11008 (gate, up, product) = 41_216 (larger);
+    # x 512 rows x 2 bytes = 42_205_184. The last stage (here the only one) adds 3 float32
+    # copies of the logits of max(256 sampled rows, 256 prompt rows): 256 x 32000 x 4 x 3
+    # = 98_304_000.
+    config = make_config(chunk_size=512, max_num_seqs=256, num_microbatches_in_flight=1)
+    memory = int(0.9 * 80 * GiB)
+    stages = spec_stage_memory(LLAMA2_7B, 1, "float16", memory)
+    assert with_activations(stages, config, LLAMA2_7B, _placement("cpu", 1, memory), 4096) == (
+        stages
+    )  # on CPU, nothing
+    [stage] = with_activations(stages, config, LLAMA2_7B, _placement("cuda", 1, memory), 4096)
+    assert stage.activation_bytes == 42_205_184 + 98_304_000
+    free = 77_309_411_328 - 13_476_831_232 - 140_509_184
+    assert kv_cache_bytes(stage) == free_bytes(memory, stage.param_bytes, 140_509_184) == free
+    [bound] = stage_bounds([stage], 4096)
+    assert bound.max_decode_batch == free // (4096 * 524_288) == 29  # 29.66
+    assert "- M_A 140509184)" in bound.formula()
+    blocks = num_kv_blocks(config.cache, [stage], 16, 4096, 10**6)
+    assert blocks == free // (16 * 524_288) < (free + 140_509_184) // (16 * 524_288)
+
+
+def test_activations_per_stage_and_policy():
+    # PP=2, two micro-batches in flight plus one ahead: each stage holds two more
+    # micro-batches' hidden states (2 x 4096 a row); only the last has logits.
+    config = make_config(chunk_size=512, max_num_seqs=8, num_microbatches_in_flight=2)
+    stages = spec_stage_memory(LLAMA2_7B, 2, "float16", 40 * GiB)
+    first, last = with_activations(
+        stages, config, LLAMA2_7B, _placement("cuda", 2, 40 * GiB, ahead=True), 4096
+    )
+    assert first.activation_bytes == 512 * (41_216 + 2 * 4096) * 2
+    # 8 sampled rows, but a prompt_logprobs chunk scores up to 256 rows at once
+    assert last.activation_bytes == first.activation_bytes + 256 * 32000 * 4 * 3
+    # whole prompts: the prefill cap (max_model_len here) plus every running decode
+    vllm = make_config(scheduler="vllm", max_num_seqs=8, num_microbatches_in_flight=1)
+    assert max_rows(vllm.scheduler, 4096) == 4096 + 8
+    one = _placement("cuda", 1, 80 * GiB)
+    [whole] = with_activations(stages[:1], vllm, LLAMA2_7B, one, 4096)
+    assert whole.activation_bytes == 4104 * 41_216 * 2 + 256 * 32000 * 4 * 3
+
+
+def test_activations_that_leave_nothing_are_named():
+    with pytest.raises(ValueError, match=r"M_S = 50 bytes .* and the activations M_A = 60 bytes"):
+        free_bytes(100, 50, 60)
+    with pytest.raises(ValueError, match=r"\(1000 - 800 - 150\) / \(10 x 20\) = 0.250"):
+        max_decode_batch(1000, 800, 10, 20, activation_bytes=150)
+    s = StageMemory(0, 800, 20, 1000, activation_bytes=300)
+    with pytest.raises(ValueError, match="stage 0: the parameters need M_S = 800 bytes"):
+        stage_bounds([s], 10)
 
 
 def test_unknown_dtype():

@@ -511,10 +511,10 @@ def test_profiled_decode_only_microbatches_come_from_the_sweep(tmp_path: Path):
 
 def test_activation_memory_comes_off_the_kv_cache(model_dir: Path):
     """On a simulated GPU the KV cache gets M_G - M_S less the peak activation memory of
-    the largest micro-batch the scheduler can issue."""
+    the largest micro-batch the scheduler can issue (``planner.memory.with_activations``,
+    as the real executors)."""
     from sarathi_pp.config import SchedulerConfig
-    from sarathi_pp.sim.analytic import activation_bytes
-    from sarathi_pp.sim.executor import max_rows
+    from sarathi_pp.planner.memory import activation_bytes, kv_cache_bytes, max_rows
 
     assert max_rows(SchedulerConfig(chunk_size=256), 4096) == 256
     auto = SchedulerConfig(chunk_size="auto", max_chunk_size=1024, max_num_seqs=32)
@@ -526,20 +526,25 @@ def test_activation_memory_comes_off_the_kv_cache(model_dir: Path):
     # hidden 256, q 256, kv 128, inter 512: attention 2*256 + (256 + 256) + 256 = 1280,
     # MLP 2*256 + 3*512 = 2048 per row; one more micro-batch's hidden state waits (256)
     assert activation_bytes(shape, 100, 2, last=False) == 100 * (2048 + 256) * 2
-    # the last stage: fp32 logits of the sampled rows (at most one per sequence)
+    # the last stage: 3 fp32 copies of the logits of the sampled rows (one per sequence)
+    # or of the prompt rows scored at once (256), whichever is more, within the rows
     last = activation_bytes(shape, 100, 2, last=True, sampled=8)
-    assert last == 100 * (2048 + 256) * 2 + 8 * 1000 * 4
+    assert last == 100 * (2048 + 256) * 2 + 100 * 1000 * 4 * 3
+    last = activation_bytes(shape, 1000, 2, last=True, sampled=300)
+    assert last == 1000 * (2048 + 256) * 2 + 300 * 1000 * 4 * 3
     cluster = _cluster(model_dir, pp=2, chunk_size=512)
     executor = cluster.executor
     memory = executor.load_model()
     seqs = executor.config.scheduler.max_num_seqs
     assert executor.placement.schedule_ahead  # one micro-batch more in flight
-    assert executor.activation_bytes == [
+    assert [m.activation_bytes for m in memory] == [
         activation_bytes(shape, 512, 3, last=False),
         activation_bytes(shape, 512, 3, last=True, sampled=seqs),
     ]
-    assert memory[0].memory_bytes == executor.placement.memory_bytes - executor.activation_bytes[0]
-    assert memory[1].memory_bytes < memory[0].memory_bytes  # the logits
+    assert memory[0].memory_bytes == executor.placement.memory_bytes  # M_G itself
+    first, second = (kv_cache_bytes(m) for m in memory)
+    assert first == memory[0].memory_bytes - memory[0].param_bytes - memory[0].activation_bytes
+    assert second < first  # the logits
 
 
 # --- planning and capacity on the simulator ------------------------------------------------
