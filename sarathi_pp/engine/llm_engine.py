@@ -345,5 +345,9 @@ class LLMEngine(PipelineFaults):
         return self.recorder.write(self.now())
 
     def shutdown(self) -> None:
+        """Close the run dir's records and release the stages; a request or step after
+        this raises ``EngineDeadError`` saying so (the stages' memory is gone)."""
         self.recorder.close()
         self.executor.shutdown()
+        if self.dead_reason is None:
+            self.dead_reason = "it was shut down (LLM.shutdown / LLMEngine.shutdown)"

@@ -395,7 +395,7 @@ def test_online_engine_abort_frees_blocks(llama_dir):
 def test_shutdown_releases_the_weights_and_the_kv_cache(llama_dir):
     """A shut-down in-process pipeline holds no tensors: on CUDA its memory goes back to the
     device, for the next pipeline in the process or another process's stage
-    (``StageWorker.release``)."""
+    (``StageWorker.release``); using it afterwards is a clear error."""
     import weakref
 
     llm = LLM(str(llama_dir), max_model_len=128)
@@ -406,3 +406,8 @@ def test_shutdown_releases_the_weights_and_the_kv_cache(llama_dir):
     llm.shutdown()
     assert worker.model is None and worker.kv is None
     assert kv() is None  # nothing else kept it
+    from sarathi_pp.engine import EngineDeadError
+
+    with pytest.raises(EngineDeadError, match="engine is dead: it was shut down"):
+        llm.generate([[5, 6, 7]], use_tqdm=False)
+    llm.shutdown()  # twice: nothing more
