@@ -92,14 +92,14 @@ class InputProcessor:
         special = not (bos and text.startswith(bos))  # the template wrote the BOS itself
         return text, list(tok.encode(text, add_special_tokens=special))
 
-    def tokenize(self, prompt: str) -> list[int]:
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise ValueError(
                 f"model folder {self.checkpoint.path!r} has no tokenizer: pass "
                 "prompt_token_ids instead, or name a tokenizer folder (model.tokenizer: "
                 "tokenizer= in Python, --set model.tokenizer=DIR on the command line)"
             )
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def validate(
         self,

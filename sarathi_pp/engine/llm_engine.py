@@ -158,12 +158,16 @@ class LLMEngine(PipelineFaults):
         return self._clock()
 
     # --- requests ------------------------------------------------------------------------
-    def tokenize(self, prompt: str) -> list[int]:
-        return self.inputs.tokenize(prompt)
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """``prompt``'s token ids (with the tokenizer's special tokens, e.g. BOS, unless
+        ``add_special_tokens`` is false); ``ValueError`` without a tokenizer."""
+        return self.inputs.tokenize(prompt, add_special_tokens)
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        """``token_ids`` as text (special tokens skipped); ``""`` without a tokenizer."""
-        return self.outputs.detokenizer.decode(token_ids) if self.outputs.detokenizer else ""
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """``token_ids`` as text (special tokens skipped unless ``skip_special_tokens`` is
+        false); ``""`` without a tokenizer."""
+        d = self.outputs.detokenizer
+        return d.decode(token_ids, skip_special_tokens) if d else ""
 
     def token_text(self, token_id: int) -> str | None:
         """One token's own text, special tokens included (as log-probabilities show each

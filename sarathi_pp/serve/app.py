@@ -76,6 +76,8 @@ def create_app(
     app.add_api_route(
         "/v1/chat/completions", server.chat_completions, methods=["POST"], dependencies=auth
     )
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"], dependencies=auth)
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"], dependencies=auth)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics, methods=["GET"])
     return app
@@ -104,6 +106,59 @@ class _Routes:
 
     async def metrics(self) -> Response:
         return Response(self.engine_loop.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # --- the tokenizer (vLLM's /tokenize and /detokenize) -----------------------------------
+    async def tokenize(self, request: Request) -> Response:
+        req = p.tokenize_request(await _json_body(request))
+        self._check_model(req.model)
+
+        def run(engine: Any) -> dict[str, Any]:  # on the engine thread: it owns the tokenizer
+            if req.messages is not None:
+                _, tokens = render_chat(engine, req.messages)
+            else:
+                assert req.prompt is not None
+                try:
+                    tokens = engine.tokenize(req.prompt, req.add_special_tokens)
+                except ValueError as e:  # no tokenizer
+                    raise p.bad_request(str(e), "prompt") from None
+            strs = engine.tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
+            return p.tokenize_response(list(tokens), engine.max_model_len, strs)
+
+        return JSONResponse(await self._on_engine(run))
+
+    async def detokenize(self, request: Request) -> Response:
+        model, tokens = p.detokenize_request(await _json_body(request))
+        self._check_model(model)
+
+        def run(engine: Any) -> dict[str, Any]:
+            if engine.tokenizer is None:
+                raise p.bad_request(f"model folder {engine.model_dir!r} has no tokenizer", "tokens")
+            vocab = engine.spec.vocab_size
+            for t in tokens:
+                if t >= vocab:
+                    raise p.bad_request(
+                        f"token id {t} is not below the vocabulary size {vocab}", "tokens"
+                    )
+            # special tokens kept: the text tokenize() turns back into these ids (vLLM's)
+            return {"prompt": engine.detokenize(tokens, skip_special_tokens=False)}
+
+        return JSONResponse(await self._on_engine(run))
+
+    async def _on_engine(self, fn: Callable[[Any], Any]) -> Any:
+        try:
+            return await asyncio.wrap_future(self.engine_loop.call(fn))
+        except EngineFailure as e:
+            raise ApiError(503, str(e), "service_unavailable") from None
+
+    def _check_model(self, model: str | None) -> None:
+        """A 404 (OpenAI's ``model_not_found``) for a model this server does not serve."""
+        if model is not None and model != self.model:
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist (this server serves `{self.model}`)",
+                code="model_not_found",
+                param="model",
+            )
 
     # --- generation ----------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -179,13 +234,7 @@ class _Routes:
     ) -> Response:
         """Add the engine requests of ``choices`` (one per choice) and answer with their
         outputs."""
-        if req.model is not None and req.model != self.model:
-            raise ApiError(
-                404,
-                f"The model `{req.model}` does not exist (this server serves `{self.model}`)",
-                code="model_not_found",
-                param="model",
-            )
+        self._check_model(req.model)
         if not self.engine_loop.accepting:
             raise ApiError(503, "the server is stopping", "service_unavailable")
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())  # every choice's outputs

@@ -49,9 +49,17 @@ _MAX_NAMED = 16  # ignored fields named in one warning (a body is the client's t
 logger = logging.getLogger(__name__)
 
 
-def warn_ignored_fields(body: dict[str, Any]) -> None:
+# The fields of ``POST /tokenize`` and ``POST /detokenize`` (vLLM's).
+_TOKENIZE_FIELDS = frozenset(
+    {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+     "return_token_strs"}
+)  # fmt: skip
+_DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+
+
+def warn_ignored_fields(body: dict[str, Any], known: frozenset[str] = _KNOWN_FIELDS) -> None:
     """Log the fields of ``body`` this server does not read (vLLM's warning)."""
-    ignored = sorted(str(k)[:64] for k in body if k not in _KNOWN_FIELDS)
+    ignored = sorted(str(k)[:64] for k in body if k not in known)
     if ignored:
         more = f" and {len(ignored) - _MAX_NAMED} more" if len(ignored) > _MAX_NAMED else ""
         logger.warning(
@@ -377,6 +385,70 @@ def chat_request(body: Any) -> GenerateRequest:
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
     return GenerateRequest(messages=[_message(i, m) for i, m in enumerate(messages)], **common)
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """``POST /tokenize`` (vLLM's): a completion's ``prompt``, or a chat's ``messages``
+    rendered as ``/v1/chat/completions`` renders them (the template, its generation prompt)."""
+
+    model: str | None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True  # ``prompt``: the tokenizer's own (BOS), as a completion
+    return_token_strs: bool = False  # each token's string too (``token_strs``)
+
+
+def tokenize_request(body: Any) -> TokenizeRequest:
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    warn_ignored_fields(body, _TOKENIZE_FIELDS)
+    model = _get(body, "model", "str")
+    strs = _get(body, "return_token_strs", "bool", False)
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise bad_request("give one of 'prompt' (text) or 'messages' (a chat)", "prompt")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise bad_request(f"'prompt' must be a string, got {type(prompt).__name__}", "prompt")
+        special = _get(body, "add_special_tokens", "bool", True)
+        return TokenizeRequest(model, prompt, add_special_tokens=special, return_token_strs=strs)
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    if _get(body, "add_generation_prompt", "bool", True) is not True:
+        raise bad_request(
+            "'add_generation_prompt': false is not supported (a chat is tokenized as "
+            "/v1/chat/completions renders it)", "add_generation_prompt",
+        )  # fmt: skip
+    if body.get("add_special_tokens") is not None:
+        raise bad_request(
+            "'add_special_tokens' applies to 'prompt'; a chat's special tokens are its "
+            "template's", "add_special_tokens",
+        )  # fmt: skip
+    chat = [_message(i, m) for i, m in enumerate(messages)]
+    return TokenizeRequest(model, messages=chat, return_token_strs=strs)
+
+
+def detokenize_request(body: Any) -> tuple[str | None, list[int]]:
+    """``POST /detokenize`` (vLLM's): ``(model, tokens)``."""
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    warn_ignored_fields(body, _DETOKENIZE_FIELDS)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) and t >= 0 for t in tokens):
+        raise bad_request("'tokens' must be a list of token ids (integers >= 0)", "tokens")
+    return _get(body, "model", "str"), tokens
+
+
+def tokenize_response(
+    tokens: list[int], max_model_len: int, token_strs: list[str] | None
+) -> dict[str, Any]:
+    return {
+        "count": len(tokens),
+        "max_model_len": max_model_len,
+        "tokens": tokens,
+        "token_strs": token_strs,
+    }
 
 
 def _message(index: int, message: Any) -> dict[str, Any]:

@@ -249,3 +249,19 @@ def test_every_field_the_server_reads_is_known() -> None:
         read |= body.read
     assert {"prompt", "messages", "max_tokens", "temperature", "top_logprobs"} <= read
     assert read - _KNOWN_FIELDS == set()
+    # /tokenize and /detokenize have their own lists
+    from sarathi_pp.serve.protocol import (
+        _DETOKENIZE_FIELDS,
+        _TOKENIZE_FIELDS,
+        detokenize_request,
+        tokenize_request,
+    )
+
+    for parse, fields, known in [
+        (tokenize_request, {"prompt": "hi"}, _TOKENIZE_FIELDS),
+        (tokenize_request, {"messages": [{"role": "user", "content": "x"}]}, _TOKENIZE_FIELDS),
+        (detokenize_request, {"tokens": [1]}, _DETOKENIZE_FIELDS),
+    ]:
+        body = _Reads(fields)
+        parse(body)
+        assert body.read and body.read - known == set(), parse

@@ -472,6 +472,16 @@ def test_bad_request_is_a_400_naming_it(server, body, word: str) -> None:
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6},
          "max_tokens", "context length"),
         ("/v1/completions", {"prompt": "x", "seed": 2**70}, "seed", "64-bit"),
+        ("/tokenize", {}, "prompt", "one of 'prompt' (text) or 'messages'"),
+        ("/tokenize", {"prompt": "x", "messages": []}, "prompt", "one of"),
+        ("/tokenize", {"prompt": 5}, "prompt", "must be a string"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens", "bool"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False},
+         "add_generation_prompt", "not supported"),
+        ("/tokenize", {"messages": [{"content": "x"}]}, "messages", "'role'"),
+        ("/detokenize", {"tokens": [1, "a"]}, "tokens", "token ids"),
+        ("/detokenize", {"tokens": [1, 10**9]}, "tokens", "token id 1000000000 is not below"),
+        ("/detokenize", {}, "tokens", "token ids"),
     ],
 )  # fmt: skip
 def test_a_400_names_its_param(server, path: str, body: dict, param: str, word: str) -> None:
@@ -509,6 +519,38 @@ def test_unknown_fields_are_ignored_with_a_warning_naming_them(server, caplog) -
         assert _post(server, "/v1/chat/completions", many).status_code == 200
     (message,) = [m for m in caplog.messages if "ignored" in m]
     assert message.endswith("f15 and 4 more") and "f16" not in message
+
+
+def test_tokenize_and_detokenize(server, client, reference) -> None:
+    """vLLM's /tokenize and /detokenize: the ids a completion or a chat runs on (its usage's
+    prompt_tokens), and their text back."""
+    tok = reference.get_tokenizer()
+    r = _post(server, "/tokenize", {"model": MODEL, "prompt": "hi there"})
+    assert r.status_code == 200, r.text
+    ids = r.json()
+    assert ids["tokens"] == reference.engine.tokenize("hi there") == tok.encode("hi there")
+    assert ids["count"] == len(ids["tokens"]) and ids["token_strs"] is None
+    assert ids["max_model_len"] == reference.engine.max_model_len
+    run = client.completions.create(model=MODEL, prompt="hi there", max_tokens=1)
+    assert run.usage.prompt_tokens == ids["count"]
+    plain = _post(
+        server,
+        "/tokenize",
+        {"prompt": "hi there", "add_special_tokens": False, "return_token_strs": True},
+    ).json()
+    assert plain["tokens"] == tok.encode("hi there", add_special_tokens=False) != ids["tokens"]
+    assert plain["token_strs"] == tok.convert_ids_to_tokens(plain["tokens"])
+    messages = [{"role": "user", "content": "hi"}]
+    chat = _post(server, "/tokenize", {"messages": messages}).json()
+    assert chat["tokens"] == reference.engine.inputs.render_chat(messages)[1]
+    run = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert run.usage.prompt_tokens == chat["count"]
+    text = _post(server, "/detokenize", {"model": MODEL, "tokens": ids["tokens"]}).json()
+    assert text == {"prompt": tok.decode(ids["tokens"])}  # special tokens kept
+    assert text["prompt"].endswith("hi there")
+    assert _post(server, "/detokenize", {"tokens": []}).json() == {"prompt": ""}
+    assert _post(server, "/tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
+    assert _post(server, "/tokenize", {"prompt": "x"}, key=None).status_code == 401
 
 
 def test_api_key_is_required_on_v1_routes(server) -> None:
