@@ -315,9 +315,20 @@ def _prompt_logprobs(body: dict[str, Any], stream: bool, logprobs: int | None) -
     return None
 
 
-def _common(body: Any, max_tokens_keys: tuple[str, ...], chat: bool) -> dict[str, Any]:
+def _check_object(body: Any) -> None:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    """A chat's ``messages``, each checked (``_message``)."""
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    return [_message(i, m) for i, m in enumerate(messages)]
+
+
+def _common(body: Any, max_tokens_keys: tuple[str, ...], chat: bool) -> dict[str, Any]:
+    _check_object(body)
     check_unsupported(body)
     warn_ignored_fields(body)
     stream = _get(body, "stream", "bool", False)
@@ -381,10 +392,7 @@ def chat_request(body: Any) -> GenerateRequest:
     common = _common(body, ("max_completion_tokens", "max_tokens"), chat=True)
     if body.get("echo") not in (None, False):
         raise bad_request("'echo' is a completions parameter", "echo")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list", "messages")
-    return GenerateRequest(messages=[_message(i, m) for i, m in enumerate(messages)], **common)
+    return GenerateRequest(messages=_messages(body.get("messages")), **common)
 
 
 @dataclass(frozen=True)
@@ -400,8 +408,7 @@ class TokenizeRequest:
 
 
 def tokenize_request(body: Any) -> TokenizeRequest:
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_object(body)
     warn_ignored_fields(body, _TOKENIZE_FIELDS)
     model = _get(body, "model", "str")
     strs = _get(body, "return_token_strs", "bool", False)
@@ -413,8 +420,7 @@ def tokenize_request(body: Any) -> TokenizeRequest:
             raise bad_request(f"'prompt' must be a string, got {type(prompt).__name__}", "prompt")
         special = _get(body, "add_special_tokens", "bool", True)
         return TokenizeRequest(model, prompt, add_special_tokens=special, return_token_strs=strs)
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list", "messages")
+    chat = _messages(messages)
     if _get(body, "add_generation_prompt", "bool", True) is not True:
         raise bad_request(
             "'add_generation_prompt': false is not supported (a chat is tokenized as "
@@ -425,14 +431,12 @@ def tokenize_request(body: Any) -> TokenizeRequest:
             "'add_special_tokens' applies to 'prompt'; a chat's special tokens are its "
             "template's", "add_special_tokens",
         )  # fmt: skip
-    chat = [_message(i, m) for i, m in enumerate(messages)]
     return TokenizeRequest(model, messages=chat, return_token_strs=strs)
 
 
 def detokenize_request(body: Any) -> tuple[str | None, list[int]]:
     """``POST /detokenize`` (vLLM's): ``(model, tokens)``."""
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_object(body)
     warn_ignored_fields(body, _DETOKENIZE_FIELDS)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(_is_int(t) and t >= 0 for t in tokens):
