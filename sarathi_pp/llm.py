@@ -73,7 +73,7 @@ class LLM:
         """
         items = _as_prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(items))
-        requests = [self._prepare(i, p) for i, p in enumerate(items)]
+        requests = [self._prepare(i, p, sp) for i, (p, sp) in enumerate(zip(items, params))]
         groups: list[tuple[str, list[str]]] = []  # each prompt's id and its engine requests'
         added: list[str] = []
         try:
@@ -145,7 +145,11 @@ class LLM:
                 )
         return sp
 
-    def _prepare(self, index: int, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _prepare(
+        self, index: int, prompt: Prompt, params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        """The prompt's text and token ids (truncated as ``params`` ask), checked with
+        ``params`` as ``add_request`` will check them."""
         where = f"prompt {index}"
         text: str | None
         if isinstance(prompt, str):
@@ -157,7 +161,7 @@ class LLM:
                 text = prompt.get("prompt")
                 token_ids = as_token_ids(prompt["prompt_token_ids"], where)
             elif isinstance(prompt.get("prompt"), str):
-                return self._prepare(index, prompt["prompt"])
+                return self._prepare(index, prompt["prompt"], params)
             else:
                 raise ValueError(f"{where}: a dict prompt needs 'prompt_token_ids' or 'prompt'")
         elif isinstance(prompt, (list, tuple)):
@@ -166,7 +170,10 @@ class LLM:
             raise TypeError(
                 f"{where} must be a string, a token id list or a dict, got {type(prompt).__name__}"
             )
+        inputs = self.engine.inputs
+        token_ids = inputs.truncated(token_ids, params)
         self.engine.validate_prompt(token_ids, where)
+        inputs.check_params(inputs.with_bad_words(params, where), where)
         return text, token_ids
 
     def _run(

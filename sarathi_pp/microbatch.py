@@ -31,7 +31,7 @@ class ScheduledChunk:
     # being sampled by micro-batch ``ring_from`` (``token_ids == (RING_TOKEN,)``); stage 0
     # fills it in from that micro-batch's result (``fill_ring``) before running. -1: known.
     ring_from: int = -1
-    # Penalized sampling (``SamplingParams.has_penalties``): on the prefill chunk that
+    # Penalties or bad words (``SamplingParams.keeps_tokens``): on the prefill chunk that
     # samples, the sequence's tokens before ``start``, so the last stage knows the whole
     # sequence from then on (it adds each token it samples; ``stages/penalties.py``).
     history: tuple[int, ...] = ()

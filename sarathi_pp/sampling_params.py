@@ -38,6 +38,10 @@ class SamplingParams:
     the log-probabilities of each sampled token and of the ``logprobs`` most likely;
     ``prompt_logprobs``: the same for every prompt token after the first
     (``RequestOutput.prompt_logprobs``), from the raw logits as ``logprobs``.
+    ``allowed_token_ids``, ``bad_words`` and ``truncate_prompt_tokens`` are vLLM's: the
+    first two rule tokens out before sampling (not from the reported log-probabilities,
+    which stay the raw logits'); the last cuts the prompt from the left before it is
+    checked against ``max_model_len``.
 
     Checked at construction (``SamplingParamsError``, a ``ValueError``, naming the field and
     the value, the field also in its ``param``): integer fields take any integer type
@@ -69,6 +73,17 @@ class SamplingParams:
     # The log-probability of every prompt token after the first (given those before it) and
     # of the ``prompt_logprobs`` most likely tokens at each position (vLLM's; ``None``: off)
     prompt_logprobs: int | None = None
+    # vLLM's: only these token ids may be sampled (``None``: any; never empty)
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's: words never generated: the last token of a word's tokens is ruled out where
+    # the output so far ends with the tokens before it (each word tokenized as it would
+    # start the text and after a space; ``bad_words_token_ids``, set by the engine)
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
+    # vLLM's: only the last k tokens of the prompt are used (left truncation; -1: the last
+    # max_model_len; ``None``: the whole prompt)
+    truncate_prompt_tokens: int | None = None
+    # ``bad_words`` as token ids (the engine tokenizes them: ``InputProcessor.with_bad_words``)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple, repr=False)
 
     def __post_init__(self) -> None:
         # Normalise so the value stays hashable and immutable, with plain Python types
@@ -76,7 +91,7 @@ class SamplingParams:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         for name in ("n", "top_k", "max_tokens", "min_tokens"):
             set_(name, _as_int(name, getattr(self, name)))
-        for name in ("seed", "logprobs", "prompt_logprobs"):
+        for name in ("seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
             value = getattr(self, name)
             set_(name, None if value is None else _as_int(name, value, "an integer or None"))
         for name in (
@@ -101,6 +116,21 @@ class SamplingParams:
             tuple(_as_int("stop_token_ids", t, "non-negative integers") for t in ids),
         )
         set_("logit_bias", _as_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = _as_tuple("allowed_token_ids", self.allowed_token_ids)
+            set_(
+                "allowed_token_ids",
+                tuple(_as_int("allowed_token_ids", t, "non-negative integers") for t in allowed),
+            )
+        words = self.bad_words
+        set_("bad_words", (words,) if isinstance(words, str) else _as_tuple("bad_words", words))
+        set_(
+            "bad_words_token_ids",
+            tuple(
+                tuple(_as_int("bad_words", t, "token ids") for t in _as_tuple("bad_words", w))
+                for w in _as_tuple("bad_words", self.bad_words_token_ids)
+            ),
+        )
         if self.top_k == -1:
             set_("top_k", 0)
         self._validate()
@@ -159,6 +189,36 @@ class SamplingParams:
                 raise SamplingParamsError(
                     "stop", f"stop strings must be non-empty strings, got {s!r}"
                 )
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise SamplingParamsError(
+                    "allowed_token_ids", "allowed_token_ids must be None or a non-empty list"
+                )
+            negative = [t for t in self.allowed_token_ids if t < 0]
+            if negative:
+                raise SamplingParamsError(
+                    "allowed_token_ids",
+                    f"allowed_token_ids must be non-negative integers, got {negative[0]!r}",
+                )
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w.strip():
+                raise SamplingParamsError(
+                    "bad_words", f"bad_words must be non-blank strings, got {w!r}"
+                )
+        for ids in self.bad_words_token_ids:
+            if not ids or min(ids) < 0:
+                raise SamplingParamsError(
+                    "bad_words",
+                    f"bad_words_token_ids must be non-empty lists of token ids >= 0, got {ids!r}",
+                )
+        if self.truncate_prompt_tokens is not None and (
+            self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1
+        ):
+            raise SamplingParamsError(
+                "truncate_prompt_tokens",
+                "truncate_prompt_tokens must be None, -1 (max_model_len) or an integer >= 1, "
+                f"got {self.truncate_prompt_tokens}",
+            )
         for t in self.stop_token_ids:
             if t < 0:
                 raise SamplingParamsError(
@@ -173,6 +233,13 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    @property
+    def keeps_tokens(self) -> bool:
+        """Whether the last stage keeps the sequence's tokens (``stages/penalties.py``):
+        for the penalties, and for a bad word of more than one token (its prefix is
+        matched against the output)."""
+        return self.has_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)
 
     @property
     def is_greedy(self) -> bool:

@@ -76,6 +76,14 @@ def add_parser(subparsers: Any) -> None:
         "--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)"
     )
     g.add_argument(
+        "--bad-word", dest="bad_words", action="append", default=[], metavar="STR",
+        help="a word never generated (repeatable; vLLM's bad_words)",
+    )  # fmt: skip
+    g.add_argument(
+        "--truncate-prompt-tokens", type=int, metavar="N",
+        help="use only each prompt's last N tokens (-1: the last max_model_len)",
+    )  # fmt: skip
+    g.add_argument(
         "--num-completions", type=int, default=1, metavar="N",
         help="completions per prompt, SamplingParams.n (default: 1; they differ with "
         "--temperature > 0)",
@@ -116,6 +124,7 @@ SAMPLING_FLAGS = {
     "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
     "repetition_penalty": "--repetition-penalty", "logprobs": "--logprobs",
     "min_tokens": "--min-tokens", "prompt_logprobs": "--prompt-logprobs",
+    "bad_words": "--bad-word", "truncate_prompt_tokens": "--truncate-prompt-tokens",
 }  # fmt: skip
 
 
@@ -144,6 +153,8 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
         repetition_penalty=args.repetition_penalty,
         logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
+        bad_words=tuple(args.bad_words),
+        truncate_prompt_tokens=args.truncate_prompt_tokens,
     )
 
 
@@ -298,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # from here on the stages are up: released whatever happens
         with user_errors():
             chat = conversation_of(args.system) if args.chat else None
-            requests = [tokenized_prompt(llm, i, p, chat) for i, p in enumerate(prompts)]
+            requests = [tokenized_prompt(llm, i, p, chat, params) for i, p in enumerate(prompts)]
         sink = FinishedSink(args.output)
         use_tqdm = should_show_progress(args.progress, len(prompts), sys.stderr)
         start = time.perf_counter()
@@ -378,9 +389,12 @@ def conversation_of(system: str | None) -> Any:
     return lambda text: [*head, {"role": "user", "content": text}]
 
 
-def tokenized_prompt(llm: Any, index: int, text: str, chat: Any = None) -> dict[str, Any]:
+def tokenized_prompt(
+    llm: Any, index: int, text: str, chat: Any = None, params: SamplingParams | None = None
+) -> dict[str, Any]:
     """Tokenize and check one prompt before any runs, naming it on error; ``chat``: the
-    prompt is a user turn rendered by the chat template (``conversation_of``).
+    prompt is a user turn rendered by the chat template (``conversation_of``); ``params``:
+    truncated as they ask (``truncate_prompt_tokens``), and checked with them.
 
     Why not let ``LLM.generate`` do it: it would, but its ``ValueError`` could not be told
     apart from one raised by the engine loop, which must not be reported as a usage error.
@@ -392,5 +406,15 @@ def tokenized_prompt(llm: Any, index: int, text: str, chat: Any = None) -> dict[
             token_ids = llm.engine.inputs.render_chat(chat(text))[1]
         except ValueError as e:
             raise ValueError(f"prompt {index}: {e}") from None
-    llm.engine.validate_prompt(token_ids, f"prompt {index}")
+    where = f"prompt {index}"
+    inputs = llm.engine.inputs
+    if params is not None:
+        token_ids = inputs.truncated(token_ids, params)
+    llm.engine.validate_prompt(token_ids, where)
+    if params is not None:
+        try:
+            inputs.check_params(inputs.with_bad_words(params, where), where)
+        except SamplingParamsError as e:
+            flag = SAMPLING_FLAGS.get(e.param)
+            raise ValueError(f"{flag}: {e}" if flag else str(e)) from None
     return {"prompt": text, "prompt_token_ids": token_ids}

@@ -42,7 +42,9 @@ from sarathi_pp.microbatch import (
 from sarathi_pp.planner.memory import StageMemory
 from sarathi_pp.sampling_params import SamplingParams
 
-WIRE_VERSION = 3  # 2: prompt log-probabilities (chunk targets, step results); 3: M_A
+# 2: prompt log-probabilities (chunk targets, step results); 3: M_A; 4: allowed_token_ids,
+# bad_words, truncate_prompt_tokens
+WIRE_VERSION = 4
 MAX_DEPTH = 8  # tuples inside tuples; the deepest real message is 2: ("ok", .., (result, event))
 
 
@@ -104,6 +106,21 @@ def _sequence(item: type, container: type) -> Kind:
 
 
 INTS, STRS, FLOATS = _sequence(int, tuple), _sequence(str, tuple), _sequence(float, tuple)
+
+
+def _tuple_of(kind: Kind) -> Kind:
+    """A tuple of values of ``kind`` <-> a list of theirs."""
+    to, back = kind
+
+    def check(v: Any, want: type) -> Any:
+        if type(v) is not want:
+            raise CodecError(f"expected a {want.__name__}, got {_type_name(v)}")
+        return v
+
+    return (
+        lambda v: [_at(f"[{i}]", to, x) for i, x in enumerate(check(v, tuple))],
+        lambda v: tuple(_at(f"[{i}]", back, x) for i, x in enumerate(check(v, list))),
+    )
 
 
 def _pairs(key: Kind, value: Kind) -> Kind:
@@ -201,6 +218,10 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "min_tokens": INT,
             "logit_bias": _bias(),
             "prompt_logprobs": _optional(INT),
+            "allowed_token_ids": _optional(INTS),
+            "bad_words": STRS,
+            "truncate_prompt_tokens": _optional(INT),
+            "bad_words_token_ids": _tuple_of(INTS),
         },
     ),
     ScheduledChunk: (

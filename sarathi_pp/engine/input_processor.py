@@ -10,7 +10,7 @@ from typing import Any
 
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import ModelConfig
-from sarathi_pp.sampling_params import SamplingParams
+from sarathi_pp.sampling_params import SamplingParams, SamplingParamsError
 from sarathi_pp.tokenizer import has_tokenizer, load_tokenizer
 
 
@@ -34,9 +34,47 @@ class InputProcessor:
     def check_params(self, params: SamplingParams, where: str) -> None:
         """``ValueError`` naming ``where`` for token ids the model does not have."""
         vocab = self.checkpoint.spec.vocab_size
-        bad = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad:
-            raise ValueError(f"{where}: logit_bias has token ids outside [0, {vocab}): {bad[:5]}")
+        for name, ids in (
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("bad_words", [t for w in params.bad_words_token_ids for t in w]),
+        ):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise SamplingParamsError(
+                    name, f"{where}: {name} has token ids outside [0, {vocab}): {bad[:5]}"
+                )
+
+    def with_bad_words(self, params: SamplingParams, where: str) -> SamplingParams:
+        """``params`` with its ``bad_words`` as token ids (``bad_words_token_ids``), as
+        vLLM's ``SamplingParams.update_from_tokenizer``: each word as it would begin the
+        text, and after a space where that gives other tokens of the same number."""
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise SamplingParamsError(
+                "bad_words",
+                f"{where}: bad_words needs a tokenizer, and model folder "
+                f"{self.checkpoint.path!r} has none (give bad_words_token_ids instead)",
+            )
+        words: list[tuple[int, ...]] = []
+        for word in params.bad_words:
+            alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            words.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                words.append(spaced)
+        every = dict.fromkeys((*params.bad_words_token_ids, *words))  # once each, in order
+        return dataclasses.replace(params, bad_words_token_ids=tuple(every))
+
+    def truncated(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` tokens (-1: ``max_model_len``);
+        the prompt itself when it is not longer, or when ``None``."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return token_ids
+        k = self.checkpoint.max_model_len if k == -1 else k
+        return token_ids[-k:] if len(token_ids) > k else token_ids
 
     def eos_token_ids(self) -> set[int]:
         """The checkpoint's EOS ids and the tokenizer's."""

@@ -202,7 +202,9 @@ class LLMEngine(PipelineFaults):
         where = f"request {request_id!r}"
         token_ids = self.inputs.request_tokens(request_id, prompt, params, prompt_token_ids)
         token_ids = as_token_ids(token_ids, where)  # plain ints, never True, to the scheduler
+        token_ids = self.inputs.truncated(token_ids, params)
         self.validate_prompt(token_ids, where)
+        params = self.inputs.with_bad_words(params, where)
         self.inputs.check_params(params, where)
         arrival = arrival_or_now(arrival_time, self.now())  # ValueError: not on our clock
         seq_id = next(self._seq_ids)

@@ -201,7 +201,7 @@ class Scheduler(ABC):
     def _release_if_idle(self, seq: Sequence) -> None:
         if seq.is_finished and seq.num_inflight == 0:
             self.block_manager.free(seq)
-            if self.seqs.pop(seq.seq_id, None) is not None and seq.params.has_penalties:
+            if self.seqs.pop(seq.seq_id, None) is not None and seq.params.keeps_tokens:
                 self._released.append(seq.seq_id)
 
     # --- scheduling ----------------------------------------------------------------------
@@ -434,7 +434,7 @@ class Scheduler(ABC):
             targets = tuple(seq.prompt_token_ids[start + 1 : start + n + 1])
         if reaches_end:
             seq.sampling_microbatch = self._next_microbatch_id
-            if is_prefill and seq.params.has_penalties:  # stages/penalties.py
+            if is_prefill and seq.params.keeps_tokens:  # stages/penalties.py
                 history = tuple(seq.token_ids[:start])
         return ScheduledChunk(
             seq_id=seq.seq_id,

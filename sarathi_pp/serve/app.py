@@ -209,6 +209,7 @@ class _Routes:
 
         def add(engine: Any) -> None:  # on the engine thread: it owns the tokenizer
             prompt, token_ids = render_chat(engine, messages)
+            token_ids = engine.inputs.truncated(token_ids, req.params)
             p.check_room(len(token_ids), req.max_tokens, engine.max_model_len, "messages")
             added: list[str] = []
             try:
@@ -478,6 +479,7 @@ def _prompt_tokens(engine: Any, req: GenerateRequest, index: int, prompt: Any) -
     where = f"'prompt[{index}]'" if len(req.prompts) > 1 else "'prompt'"
     try:
         tokens = prompt.token_ids if prompt.token_ids is not None else engine.tokenize(prompt.text)
+        tokens = engine.inputs.truncated(list(tokens), req.params)
         engine.validate_prompt(tokens, where)
     except ValueError as e:
         raise p.ParamError(str(e), "prompt") from None

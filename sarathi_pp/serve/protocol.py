@@ -41,7 +41,7 @@ _KNOWN_FIELDS = frozenset(
         "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
         "logprobs", "top_logprobs", "echo", "min_tokens", "ignore_eos",
         "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "user",
-        *_UNSUPPORTED,
+        "allowed_token_ids", "bad_words", "truncate_prompt_tokens", *_UNSUPPORTED,
     }
 )  # fmt: skip
 _MAX_NAMED = 16  # ignored fields named in one warning (a body is the client's to make)
@@ -248,10 +248,31 @@ def sampling_params(
             seed=_get(body, "seed", "int"),
             stop=_stop(body),
             ignore_eos=_get(body, "ignore_eos", "bool", False),
+            allowed_token_ids=_int_list(body, "allowed_token_ids"),
+            bad_words=_bad_words(body),
+            truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", "int"),
         )
     except (ValueError, TypeError) as e:  # SamplingParamsError names its field
         name = getattr(e, "param", None)
         raise bad_request(str(e), name if name in body else None) from None
+
+
+def _int_list(body: dict[str, Any], key: str) -> list[int] | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(_is_int(x) for x in value):
+        raise bad_request(f"'{key}' must be a list of integers, got {value!r}", key)
+    return value
+
+
+def _bad_words(body: dict[str, Any]) -> tuple[str, ...]:
+    words = body.get("bad_words")
+    if words is None:
+        return ()
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise bad_request(f"'bad_words' must be a list of strings, got {words!r}", "bad_words")
+    return tuple(words)
 
 
 def _logit_bias(body: dict[str, Any]) -> dict[int, float]:

@@ -1,9 +1,10 @@
 """Presence, frequency and repetition penalties on the last stage (vLLM's, and HF's
-repetition penalty).
+repetition penalty), and the token history they and ``bad_words`` need.
 
-A penalty needs the sequence's tokens, which the last stage does not otherwise keep: a
-micro-batch carries only the tokens it computes. ``PenaltyState`` keeps them for the
-penalized sequences, as vLLM's workers keep a persistent batch:
+A penalty needs the sequence's tokens, and a bad word of several tokens the output's last
+ones, which the last stage does not otherwise keep: a micro-batch carries only the tokens
+it computes. ``PenaltyState`` keeps them for those sequences
+(``SamplingParams.keeps_tokens``), as vLLM's workers keep a persistent batch:
 - the prefill chunk that samples (a prompt's last chunk, or a recompute's) carries the
   tokens before it (``ScheduledChunk.history``): the state restarts from the chunk's end;
 - each token sampled is added (at its position: a micro-batch run again after a failure
@@ -49,7 +50,7 @@ class PenaltyState:
             have = 0 if tokens is None else len(tokens)
             raise ValueError(
                 f"sequence {chunk.seq_id}: the last stage knows {have} of its tokens, its "
-                f"decode at {chunk.start} needs {chunk.end} (penalties need them)"
+                f"decode at {chunk.start} needs {chunk.end} (penalties and bad words need them)"
             )
         del tokens[chunk.end :]  # a micro-batch run again: the state as after one run
         return tokens

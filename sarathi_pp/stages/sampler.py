@@ -43,32 +43,56 @@ def processed_logits(
     num_outputs: list[int],
     eos_token_ids: tuple[int, ...],
     in_place: bool = False,
+    outputs: dict[int, list[int]] | None = None,
 ) -> torch.Tensor:
-    """``logit_bias`` added, and the EOS and stop tokens ruled out while a row has fewer
-    than ``min_tokens`` outputs (vLLM's). ``logits`` itself when no row asks, else a copy
-    (log-probabilities are reported from the raw logits); ``in_place``: ``logits`` is the
-    caller's own copy already (penalized), changed and returned."""
+    """Tokens outside ``allowed_token_ids`` and the bad words' ruled out (vLLM's: a bad
+    word's last token where the row's output so far, ``outputs[i]``, ends with the tokens
+    before it), ``logit_bias`` added, and the EOS and stop tokens ruled out while a row has
+    fewer than ``min_tokens`` outputs (vLLM's). ``logits`` itself when no row asks, else a
+    copy (log-probabilities are reported from the raw logits); ``in_place``: ``logits`` is
+    the caller's own copy already (penalized), changed and returned. A token is ruled out
+    with the lowest finite value: -inf would read as the model's own failure."""
     rows = [
         i for i, p in enumerate(params)
-        if p.logit_bias or num_outputs[i] < p.min_tokens
+        if p.logit_bias or num_outputs[i] < p.min_tokens or p.allowed_token_ids is not None
+        or p.bad_words_token_ids
     ]  # fmt: skip
     if not rows:
         return logits
     out = logits if in_place else logits.clone()
     vocab = logits.shape[-1]
+    lowest = torch.finfo(out.dtype).min
+    dev = logits.device
     for i in rows:
         p = params[i]
+        # ids past the vocabulary are refused by the engine; a stage never indexes past it
+        if p.allowed_token_ids is not None:
+            keep = torch.zeros(vocab, dtype=torch.bool, device=dev)
+            keep[torch.tensor([t for t in p.allowed_token_ids if t < vocab], device=dev)] = True
+            out[i].masked_fill_(~keep, lowest)
+        if p.bad_words_token_ids:
+            past = (outputs or {}).get(i, [])
+            banned = [
+                w[-1] for w in p.bad_words_token_ids
+                if w[-1] < vocab and _ends_with(past, w[:-1])
+            ]  # fmt: skip
+            if banned:
+                out[i, torch.tensor(banned, device=dev)] = lowest
         if p.logit_bias:
-            ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
-            bias = torch.tensor([b for _, b in p.logit_bias], device=logits.device)
-            keep = ids < vocab  # checked by the engine; a stage never indexes past its vocab
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=dev)
+            bias = torch.tensor([b for _, b in p.logit_bias], device=dev)
+            keep = ids < vocab
             out[i, ids[keep]] += bias[keep].to(out.dtype)
         if num_outputs[i] < p.min_tokens:
             stops = [t for t in (*eos_token_ids, *p.stop_token_ids) if t < vocab]
             if stops:
-                # the lowest finite value: -inf would read as the model's own failure
-                out[i, torch.tensor(stops, device=logits.device)] = torch.finfo(out.dtype).min
+                out[i, torch.tensor(stops, device=dev)] = lowest
     return out
+
+
+def _ends_with(tokens: list[int], suffix: tuple[int, ...]) -> bool:
+    n = len(suffix)
+    return n <= len(tokens) and (n == 0 or tuple(tokens[-n:]) == suffix)
 
 
 def logprobs(

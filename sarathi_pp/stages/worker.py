@@ -178,12 +178,17 @@ class StageWorker:
         logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
         params = [c.sampling_params for c in chunks]
         num_outputs = [c.num_output_tokens for c in chunks]
-        sampling_logits, penalized = self._penalized(logits, chunks, result)
+        sampling_logits, kept, outputs = self._penalized(logits, chunks, result)
         sampling_logits = processed_logits(  # penalized rows: a copy already, changed in place
-            sampling_logits, params, num_outputs, self.spec.eos_token_ids, in_place=bool(penalized)
+            sampling_logits,
+            params,
+            num_outputs,
+            self.spec.eos_token_ids,
+            in_place=sampling_logits is not logits,
+            outputs=outputs,
         )
         tokens = sample(sampling_logits, params, num_outputs)
-        for i in penalized:
+        for i in kept:
             self.penalties.sampled(chunks[i], tokens[i])
         for i, lp in logprobs(logits, params, tokens).items():
             result.logprobs[chunks[i].seq_id] = lp
@@ -225,18 +230,28 @@ class StageWorker:
 
     def _penalized(
         self, logits: torch.Tensor, chunks: list, result: StepResult
-    ) -> tuple[torch.Tensor, list[int]]:
-        """The logits to sample from (penalized where asked; ``stages/penalties.py``) and
-        the rows penalized. A row whose tokens the stage lacks fails its request."""
-        rows, histories = [], []
+    ) -> tuple[torch.Tensor, list[int], dict[int, list[int]]]:
+        """The logits to sample from (penalized where asked; ``stages/penalties.py``), the
+        rows whose tokens the stage keeps (``SamplingParams.keeps_tokens``) and, for those
+        with bad words, their output tokens so far. A row whose tokens the stage lacks fails
+        its request."""
+        kept, rows, histories = [], [], []
+        outputs: dict[int, list[int]] = {}
         for i, c in enumerate(chunks):
-            if not c.sampling_params.has_penalties:
+            p = c.sampling_params
+            if not p.keeps_tokens:
                 continue
             try:
-                histories.append(self.penalties.before_sampling(c))
-                rows.append(i)
+                tokens = self.penalties.before_sampling(c)
             except ValueError as e:
                 result.errors[c.seq_id] = str(e)
+                continue
+            kept.append(i)
+            if p.bad_words_token_ids:
+                outputs[i] = tokens[len(tokens) - c.num_output_tokens :]
+            if p.has_penalties:
+                rows.append(i)
+                histories.append(tokens)
         if not rows:
-            return logits, rows
-        return apply_penalties(logits, rows, histories, [chunks[i] for i in rows]), rows
+            return logits, kept, outputs
+        return apply_penalties(logits, rows, histories, [chunks[i] for i in rows]), kept, outputs

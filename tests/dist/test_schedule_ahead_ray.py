@@ -2,7 +2,8 @@
 tokens from the last stage over the token ring, ``comm/ring.py``): the same greedy tokens as
 one stage for every policy at PP=2, PP=2 with 3 in flight and PP=3; decodes really went
 ahead; the run dir names each one's ring source and the report splits stage 0's wait for
-it into ``in_flight`` and ``ring``. The fault tests run with it in ``test_faults.py``."""
+it into ``in_flight`` and ``ring``; penalties and bad words (the last stage keeps the
+tokens) with decodes ahead. The fault tests run with it in ``test_faults.py``."""
 
 from __future__ import annotations
 
@@ -60,24 +61,29 @@ def test_ahead_run_dir_names_ring_sources_and_the_report_the_ring(ray_cluster, l
     assert classes["ring"] > 0
 
 
-def test_ahead_with_penalties_equals_one_stage(ray_cluster, llama_dir):
-    """Penalized decodes scheduled ahead: the last stage knows their input token (it sampled
+def test_ahead_with_penalties_and_bad_words_equals_one_stage(ray_cluster, llama_dir):
+    """Penalized decodes, and decodes with bad words of two tokens (the last stage matches
+    the output so far), scheduled ahead: the last stage knows their input token (it sampled
     it), though its copy of the micro-batch holds the ring's placeholder."""
     from sarathi_pp import SamplingParams
 
     prompts = make_prompts(seed=21)
-    params = SamplingParams(
-        max_tokens=10, temperature=0.0, ignore_eos=True, repetition_penalty=1.5,
-        frequency_penalty=0.5, logprobs=1,
-    )  # fmt: skip
+    common = dict(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+    penalized = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, **common)
     with LLM(str(llama_dir), **KW, chunk_size=16, tile_align=False) as one:
-        ref = one.generate(prompts, params, use_tqdm=False)
+        plain = one.generate(prompts, SamplingParams(**common), use_tqdm=False)
+        words = [tuple(o.outputs[0].token_ids[2:4]) for o in plain]
+        allowed = sorted({t for o in plain for t in o.outputs[0].token_ids})
+        ruled = SamplingParams(bad_words_token_ids=words, allowed_token_ids=allowed, **common)
+        ref = [one.generate(prompts, p, use_tqdm=False) for p in (penalized, ruled)]
+    assert [o.outputs[0].token_ids for o in ref[1]] != [o.outputs[0].token_ids for o in plain]
     with LLM(
         str(llama_dir), **KW, pipeline_parallel_size=2, schedule_ahead=True, chunk_size=16,
         tile_align=False,
     ) as llm:  # fmt: skip
         ahead = record_ahead(llm.engine)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    assert sum(ahead) >= 5, ahead
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
-    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+        outs = [llm.generate(prompts, p, use_tqdm=False) for p in (penalized, ruled)]
+    assert sum(ahead) >= 10, ahead
+    for got, want in zip(outs, ref):
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert all(o.outputs[0].finish_reason == "length" for o in got)

@@ -183,6 +183,11 @@ def test_num_completions_and_logprobs(llama_dir, tmp_path, capsys):
         (["--repetition-penalty", "0"], "--repetition-penalty: repetition_penalty must be > 0"),
         (["--min-p", "2"], "--min-p: min_p must be in [0, 1], got 2.0"),
         (["--min-tokens", "20"], "--min-tokens: min_tokens must be in [0, max_tokens=16], got 20"),
+        (["--bad-word", " "], "--bad-word: bad_words must be non-blank strings, got ' '"),
+        (
+            ["--truncate-prompt-tokens", "0"],
+            "--truncate-prompt-tokens: truncate_prompt_tokens must be None, -1",
+        ),
     ],
 )
 def test_bad_sampling_flags_are_usage_errors(llama_dir, capsys, flags, says):
@@ -200,6 +205,24 @@ def test_missing_model_dir(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("sarathi-pp: error: ") and str(missing) in err
     assert "Traceback" not in err
+
+
+def test_bad_words_and_truncation_flags(llama_dir, tmp_path):
+    out = tmp_path / "out.jsonl"
+    argv = [
+        "generate", *engine_args(llama_dir), "--prompt", "x" * 200, "--max-tokens", "6",
+        "--ignore-eos", "--bad-word", "ab", "--truncate-prompt-tokens", "50",
+    ]  # fmt: skip
+    assert main([*argv, "--output", str(out)]) == 0  # 201 tokens: too long without the cut
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    llm = LLM(config=config_from_args(build_parser().parse_args(argv)))
+    params = SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True, bad_words=["ab"], truncate_prompt_tokens=50
+    )
+    (expected,) = llm.generate(["x" * 200], params, use_tqdm=False)
+    assert record["token_ids"] == expected.outputs[0].token_ids
+    assert len(expected.prompt_token_ids) == 50
+    assert expected.prompt_token_ids == llm.engine.tokenize("x" * 200)[-50:]
 
 
 def test_prompt_too_long_is_a_usage_error(llama_dir, capsys):

@@ -306,6 +306,34 @@ def test_penalties_equal_llm_generate(client, reference) -> None:
     assert r.choices[0].text == ref.outputs[0].text != plain
 
 
+def test_allowed_bad_words_and_truncation_equal_llm_generate(client, reference) -> None:
+    """vLLM's extra parameters: ``allowed_token_ids``, ``bad_words`` (tokenized on the
+    server as ``LLM.generate`` tokenizes them) and ``truncate_prompt_tokens`` (the usage
+    counts the prompt's tokens kept)."""
+    tok = reference.get_tokenizer()
+    prompt = "Hello world, hello again"
+    letters = tok.encode("abcdefgh", add_special_tokens=False)
+    plain = reference.generate(
+        [prompt], SamplingParams(max_tokens=8, temperature=0.0, allowed_token_ids=letters),
+        use_tqdm=False,
+    )[0].outputs[0].text  # fmt: skip
+    extra = {"allowed_token_ids": letters, "bad_words": [plain[1:3]], "truncate_prompt_tokens": 7}
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, extra_body=extra, **GREEDY
+    )
+    params = SamplingParams(max_tokens=8, temperature=0.0, **extra)
+    (ref,) = reference.generate([prompt], params, use_tqdm=False)
+    assert r.choices[0].text == ref.outputs[0].text != plain
+    assert set(r.choices[0].text) <= set("abcdefgh") and plain[1:3] not in r.choices[0].text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids) == 7
+    messages = [{"role": "user", "content": "a question of some length"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, extra_body={"truncate_prompt_tokens": 9},
+        **GREEDY,
+    )  # fmt: skip
+    assert chat.usage.prompt_tokens == 9
+
+
 def test_chat_logprobs_and_top_logprobs(client) -> None:
     messages = [{"role": "user", "content": "hi there"}]
     r = client.chat.completions.create(
@@ -472,6 +500,15 @@ def test_bad_request_is_a_400_naming_it(server, body, word: str) -> None:
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6},
          "max_tokens", "context length"),
         ("/v1/completions", {"prompt": "x", "seed": 2**70}, "seed", "64-bit"),
+        ("/v1/completions", {"prompt": "x", "allowed_token_ids": [1, 10**9]}, "allowed_token_ids",
+         "allowed_token_ids has token ids outside"),
+        ("/v1/completions", {"prompt": "x", "allowed_token_ids": "5"}, "allowed_token_ids",
+         "list of integers"),
+        ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids", "non-empty"),
+        ("/v1/completions", {"prompt": "x", "bad_words": "no"}, "bad_words", "list of strings"),
+        ("/v1/completions", {"prompt": "x", "bad_words": [" "]}, "bad_words", "non-blank"),
+        ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens",
+         ">= 1"),
         ("/tokenize", {}, "prompt", "one of 'prompt' (text) or 'messages'"),
         ("/tokenize", {"prompt": "x", "messages": []}, "prompt", "one of"),
         ("/tokenize", {"prompt": 5}, "prompt", "must be a string"),

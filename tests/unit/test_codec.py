@@ -52,6 +52,10 @@ sampling_params = st.builds(
     min_tokens=st.integers(0, 1),
     logit_bias=st.dictionaries(IDS, st.floats(-100.0, 100.0), max_size=3),
     prompt_logprobs=st.one_of(st.none(), st.integers(0, 20)),
+    allowed_token_ids=st.one_of(st.none(), st.lists(IDS, min_size=1, max_size=3)),
+    bad_words=st.lists(st.text(min_size=1, max_size=8).filter(str.strip), max_size=2),
+    truncate_prompt_tokens=st.one_of(st.none(), st.just(-1), st.integers(1, 4096)),
+    bad_words_token_ids=st.lists(st.lists(IDS, min_size=1, max_size=3), max_size=2),
 )
 
 
@@ -248,7 +252,7 @@ def _params(**fields) -> list:
                         [
                             *CHUNK[:5],
                             [1, 0.5, 1, 0, None, 0, [], [], False, None, False, 0.0, False, True]
-                            + [0.0, 0.0, 1.0, 0, [], None],
+                            + [0.0, 0.0, 1.0, 0, [], None, None, [], None, []],
                             0,
                             -1,
                             [],
