@@ -44,6 +44,21 @@ class InputProcessor:
                 raise SamplingParamsError(
                     name, f"{where}: {name} has token ids outside [0, {vocab}): {bad[:5]}"
                 )
+        if params.allowed_token_ids is not None:  # what the last stage will rule out
+            left = set(params.allowed_token_ids)
+            left -= {w[0] for w in params.bad_words_token_ids if len(w) == 1}
+            if params.min_tokens:
+                left -= {*self.checkpoint.spec.eos_token_ids, *params.stop_token_ids}
+            if not left:
+                raise SamplingParamsError(
+                    "allowed_token_ids",
+                    f"{where}: allowed_token_ids leaves no token to sample: each is a bad word"
+                    + (
+                        " or an EOS or stop token, ruled out by min_tokens"
+                        if params.min_tokens
+                        else ""
+                    ),
+                )
 
     def with_bad_words(self, params: SamplingParams, where: str) -> SamplingParams:
         """``params`` with its ``bad_words`` as token ids (``bad_words_token_ids``), as

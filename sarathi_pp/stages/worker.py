@@ -32,6 +32,9 @@ from sarathi_pp.stages.sampler import (
 
 # A row's logits are not all finite (a sampled token's, a prompt position's): its request fails.
 NON_FINITE = "the model produced non-finite logits"
+RULED_OUT = (
+    "every token was ruled out (allowed_token_ids, bad_words, min_tokens): nothing to sample"
+)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -188,6 +191,10 @@ class StageWorker:
             outputs=outputs,
         )
         tokens = sample(sampling_logits, params, num_outputs)
+        if sampling_logits is not logits:  # a row whose every token its rules ruled out
+            lowest = torch.finfo(sampling_logits.dtype).min
+            for i in (sampling_logits.amax(dim=-1) <= lowest).nonzero().flatten().tolist():
+                result.errors.setdefault(chunks[i].seq_id, RULED_OUT)
         for i in kept:
             self.penalties.sampled(chunks[i], tokens[i])
         for i, lp in logprobs(logits, params, tokens).items():

@@ -158,14 +158,36 @@ def test_truncate_prompt_tokens_runs_the_prompts_tail(llama_dir):
     [
         (dict(allowed_token_ids=[3, 259]), r"allowed_token_ids has token ids outside \[0, 259\)"),
         (dict(bad_words_token_ids=[[3, 300]]), r"bad_words has token ids outside \[0, 259\)"),
+        (
+            dict(allowed_token_ids=[3, 4], bad_words_token_ids=[[3], [4]]),
+            "allowed_token_ids leaves no token to sample: each is a bad word$",
+        ),
+        (
+            dict(
+                allowed_token_ids=[3, 4],
+                bad_words_token_ids=[[3]],
+                stop_token_ids=[4],
+                min_tokens=1,
+            ),
+            "allowed_token_ids leaves no token to sample: each is a bad word or an EOS or stop",
+        ),
     ],
 )
-def test_ids_past_the_vocabulary_are_refused_before_any_work(llama_dir, kwargs, says):
+def test_ids_past_the_vocabulary_or_nothing_left_are_refused_before_any_work(
+    llama_dir, kwargs, says
+):
     with LLM(str(llama_dir), **KW) as llm:
         with pytest.raises(ValueError, match=f"prompt 1: {says}") as e:
             llm.generate([[5, 6], [7, 8]], [SamplingParams(), SamplingParams(**kwargs)])
         assert e.value.param in kwargs or e.value.param == "bad_words"
         assert not llm.engine.has_unfinished_requests()
+        # a two-token bad word rules its last token out only after its first: not refused
+        # up front, but once nothing is left the request fails alone, saying so
+        late = SamplingParams(allowed_token_ids=[3], bad_words_token_ids=[[3, 3]], max_tokens=4)
+        out, other = llm.generate([[5, 6], [7, 8]], [late, SamplingParams(max_tokens=4)])
+        assert out.outputs[0].token_ids == [3] and out.outputs[0].finish_reason == "error"
+        assert "every token was ruled out" in out.outputs[0].error
+        assert other.outputs[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize(
