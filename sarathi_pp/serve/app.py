@@ -79,6 +79,7 @@ def create_app(
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"], dependencies=auth)
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"], dependencies=auth)
     app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/version", server.version, methods=["GET"])
     app.add_api_route("/metrics", server.metrics, methods=["GET"])
     return app
 
@@ -93,6 +94,12 @@ class _Routes:
     async def models(self) -> dict[str, Any]:
         card = {"id": self.model, "object": "model", "created": self.created}
         return {"object": "list", "data": [{**card, "owned_by": "sarathi-pp"}]}
+
+    async def version(self) -> Response:
+        """vLLM's ``GET /version``: ``{"version": ...}``, this package's."""
+        from sarathi_pp import __version__
+
+        return JSONResponse({"version": __version__})
 
     async def health(self) -> Response:
         engine = self.engine_loop.engine

@@ -617,6 +617,9 @@ def test_models_and_metrics(client, server) -> None:
         'sarathi_pp_stage_microbatches_total{stage="0"}',
     ):
         assert name in text
+    import sarathi_pp
+
+    assert httpx.get(server.base_url + "/version").json() == {"version": sarathi_pp.__version__}
 
 
 # --- a second server: no chat template, one request waiting at most ------------------------
