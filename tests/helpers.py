@@ -116,6 +116,29 @@ def _top2_margins(step_logits: Sequence[torch.Tensor]) -> list[float]:
     return (top2[:, 0] - top2[:, 1]).tolist()
 
 
+def hf_processed_greedy(
+    model_dir: str | Path,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    process: Callable[[torch.Tensor, list[int], list[int]], torch.Tensor],
+) -> tuple[list[int], list[float]]:
+    """Greedy decoding over HF's logits, step by step, each step's logits first passed
+    through ``process(logits, tokens, out)`` (``tokens``: prompt and output so far, ``out``:
+    the output alone; a reference for the engine's own logits rules); the tokens and each
+    step's top-2 margin."""
+    model = _hf_model(str(model_dir))
+    tokens, out, margins = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = process(model(torch.tensor([tokens])).logits[0, -1].float(), tokens, out)
+            top2 = logits.topk(2).values
+            margins.append((top2[0] - top2[1]).item())
+            token = int(logits.argmax())
+            out.append(token)
+            tokens.append(token)
+    return out, margins
+
+
 def hf_greedy(
     model_dir: str | Path,
     prompt_token_ids: Sequence[int],

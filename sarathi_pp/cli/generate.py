@@ -133,8 +133,12 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     try:
         return _sampling_params(args)
     except SamplingParamsError as e:
-        flag = SAMPLING_FLAGS.get(e.param)
-        raise ValueError(f"{flag}: {e}" if flag else str(e)) from None
+        raise _naming_the_flag(e) from None
+
+
+def _naming_the_flag(e: SamplingParamsError) -> ValueError:
+    flag = SAMPLING_FLAGS.get(e.param)
+    return ValueError(f"{flag}: {e}" if flag else str(e))
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -415,6 +419,5 @@ def tokenized_prompt(
         try:
             inputs.check_params(inputs.with_bad_words(params, where), where)
         except SamplingParamsError as e:
-            flag = SAMPLING_FLAGS.get(e.param)
-            raise ValueError(f"{flag}: {e}" if flag else str(e)) from None
+            raise _naming_the_flag(e) from None
     return {"prompt": text, "prompt_token_ids": token_ids}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import _hf_model, assert_greedy_match, record_submits
+from helpers import _hf_model, assert_greedy_match, hf_processed_greedy, record_submits
 from test_vs_hf import make_prompts, preempting_run
 
 from sarathi_pp import LLM, SamplingParams
@@ -27,24 +27,16 @@ def hf_penalized_greedy(model_dir, prompt, max_new_tokens, presence=0.0, frequen
     """Greedy decoding over HF's logits with the penalties applied by hand (HF's own
     ``repetition_penalty`` processor checked to agree); the tokens and each step's top-2
     margin."""
-    model = _hf_model(str(model_dir))
-    tokens = list(prompt)
-    out, margins = [], []
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            logits = model(torch.tensor([tokens])).logits[0, -1].float()
-            if rep != 1.0:
-                seen = torch.tensor(sorted(set(tokens)))
-                x = logits[seen]
-                logits[seen] = torch.where(x > 0, x / rep, x * rep)
-            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=len(logits))
-            logits = logits - frequency * counts - presence * (counts > 0).float()
-            top2 = logits.topk(2).values
-            margins.append((top2[0] - top2[1]).item())
-            token = int(logits.argmax())
-            out.append(token)
-            tokens.append(token)
-    return out, margins
+
+    def penalize(logits, tokens, out):
+        if rep != 1.0:
+            seen = torch.tensor(sorted(set(tokens)))
+            x = logits[seen]
+            logits[seen] = torch.where(x > 0, x / rep, x * rep)
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=len(logits))
+        return logits - frequency * counts - presence * (counts > 0).float()
+
+    return hf_processed_greedy(model_dir, prompt, max_new_tokens, penalize)
 
 
 def test_the_reference_agrees_with_hf_generate(llama_dir):

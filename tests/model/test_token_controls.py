@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import _hf_model, assert_greedy_match
+from helpers import _hf_model, assert_greedy_match, hf_processed_greedy
 from test_vs_hf import make_prompts, preempting_run
 
 from sarathi_pp import LLM, SamplingParams
@@ -26,25 +26,19 @@ def hf_ruled_greedy(model_dir, prompt, max_new_tokens, allowed=None, bad=()):
     """Greedy decoding over HF's logits with vLLM's rules: only ``allowed`` ids, and a bad
     word's last token out where the output so far ends with the rest of it; the tokens and
     each step's top-2 margin (over the tokens left)."""
-    model = _hf_model(str(model_dir))
-    tokens, out, margins = list(prompt), [], []
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            logits = model(torch.tensor([tokens])).logits[0, -1].float()
-            if allowed is not None:
-                keep = torch.zeros_like(logits, dtype=torch.bool)
-                keep[list(allowed)] = True
-                logits[~keep] = float("-inf")
-            for word in bad:
-                prefix = list(word[:-1])
-                if len(prefix) <= len(out) and (not prefix or out[-len(prefix) :] == prefix):
-                    logits[word[-1]] = float("-inf")
-            top2 = logits.topk(2).values
-            margins.append((top2[0] - top2[1]).item())
-            token = int(logits.argmax())
-            out.append(token)
-            tokens.append(token)
-    return out, margins
+
+    def rule(logits, tokens, out):
+        if allowed is not None:
+            keep = torch.zeros_like(logits, dtype=torch.bool)
+            keep[list(allowed)] = True
+            logits[~keep] = float("-inf")
+        for word in bad:
+            prefix = list(word[:-1])
+            if len(prefix) <= len(out) and (not prefix or out[-len(prefix) :] == prefix):
+                logits[word[-1]] = float("-inf")
+        return logits
+
+    return hf_processed_greedy(model_dir, prompt, max_new_tokens, rule)
 
 
 def test_the_reference_agrees_with_hf_bad_words_ids(llama_dir):
