@@ -7,7 +7,10 @@ Layout (times in seconds)::
     window: {start_s, end_s, duration_s}       # the steady state (or the run, see the note)
     stages: [{stage, busy_s, idle_s, window_s, bubble_fraction, bubbles_s: {class: s},
               families_s: {shape, runtime, no_work}, fill_s, drain_s, fill_drain_s,
-              microbatches: {prefill|decode|hybrid|all: {count, compute_mean_s, compute_cv}}}]
+              microbatches: {prefill|decode|hybrid|all: {count, compute_mean_s, compute_cv}},
+              stalls: {count, excess_s, listed: [{mb, kind, compute_s, expected_s}]}}]
+            # stalls: micro-batches that computed far longer than their shape predicts
+            # (``compute_stalls``); absent from an older summary
     overall: {busy_s, idle_s, window_s, bubble_fraction, bubbles_s, families_s, fill_s,
               drain_s, fill_drain_s, num_microbatches, microbatches_by_kind: {kind: count}}
     requests: see ``request_metrics.request_summary``, and ``bubble_time_s`` (p50, p90,
@@ -29,6 +32,7 @@ adds, the load's own share ``load`` included) and ``no_work``; they add up to ``
 
 from __future__ import annotations
 
+import statistics
 from itertools import pairwise
 from typing import Any
 
@@ -120,7 +124,12 @@ def families(bubbles: dict[str, float]) -> dict[str, float]:
 
 def _stage_entry(b: StageBubbles, events: tuple[StageEvent, ...]) -> dict[str, Any]:
     entry = _bubble_entry(b.busy_s, b.window_s, b.bubbles_s, b.fill_s, b.drain_s)
-    return {"stage": b.stage_idx, **entry, "microbatches": microbatch_stats(events)}
+    return {
+        "stage": b.stage_idx,
+        **entry,
+        "microbatches": microbatch_stats(events),
+        "stalls": compute_stalls(events),
+    }
 
 
 def _overall(stages: list[StageBubbles], log: RunLog) -> dict[str, Any]:
@@ -156,3 +165,57 @@ def _mean_cv(xs: list[float]) -> dict[str, Any]:
         "compute_mean_s": mean,
         "compute_cv": std / mean if mean > 0 else None,
     }
+
+
+# Note [compute stalls]: a micro-batch whose compute took far longer than its shape predicts
+# on its stage (a page's first touch in a VM whose host backs memory on demand, a garbage
+# collection, the hypervisor taking the core) delays the stages after it, and the wait it
+# causes is counted in the class the shapes give it (``hybrid`` between two hybrids, PB1
+# between two prefills) or, looping back, in stage 0's ``in_flight``: the classes say where
+# the time went, these say why. Predicted: for a decode-only micro-batch the median compute
+# of the stage's decode-only ones (they cost a read of the stage's weights whatever their
+# size); for the others their kind's median compute per token times their tokens, but never
+# less than the stage's 10th-percentile micro-batch (a few tokens still read the weights). A
+# stall is more than STALL_FACTOR times that and STALL_MIN_S more: legitimate differences of
+# shape (a decode-only micro-batch of 32 decodes against one of 4, a prefill chunk late in a
+# long prompt) stay under it.
+STALL_FACTOR = 3.0
+STALL_MIN_S = 0.05
+MAX_LISTED_STALLS = 8
+
+
+def compute_stalls(events: tuple[StageEvent, ...]) -> dict[str, Any]:
+    """One stage's compute stalls (Note [compute stalls]): how many, their seconds past the
+    prediction, and the longest ``MAX_LISTED_STALLS`` (in micro-batch order)."""
+    computes = [e.compute_end - e.compute_start for e in events]
+    if not computes:
+        return {"count": 0, "excess_s": 0.0, "listed": []}
+    floor = sorted(computes)[len(computes) // 10]
+    decode = [d for e, d in zip(events, computes, strict=True) if e.kind == "decode"]
+    decode_median = statistics.median(decode) if decode else 0.0
+    per_token: dict[str, list[float]] = {}
+    for e, d in zip(events, computes, strict=True):
+        if e.kind != "decode" and _tokens(e):
+            per_token.setdefault(e.kind, []).append(d / _tokens(e))
+    medians = {k: statistics.median(v) for k, v in per_token.items()}
+    stalls: list[tuple[float, StageEvent, float, float]] = []  # excess, event, compute, predicted
+    for e, d in zip(events, computes, strict=True):
+        if e.kind == "decode":
+            expected = decode_median
+        else:
+            expected = max(medians.get(e.kind, 0.0) * _tokens(e), floor)
+        if d > STALL_FACTOR * expected + STALL_MIN_S:
+            stalls.append((d - expected, e, d, expected))
+    longest = sorted(stalls, key=lambda x: x[0], reverse=True)[:MAX_LISTED_STALLS]
+    return {
+        "count": len(stalls),
+        "excess_s": sum(x[0] for x in stalls),
+        "listed": [
+            {"mb": e.mb, "kind": e.kind, "compute_s": d, "expected_s": p}
+            for _, e, d, p in sorted(longest, key=lambda x: x[1].mb)
+        ],
+    }
+
+
+def _tokens(e: StageEvent) -> int:
+    return e.num_prefill_tokens + e.num_decode_tokens

@@ -110,6 +110,34 @@ def _bubble_rows(summary: dict[str, Any]) -> list[str]:
     split = prefill_split_text(summary)
     if split is not None:
         lines.append(split)
+    lines += stalls_text(summary)
+    return lines
+
+
+def stalls_text(summary: dict[str, Any]) -> list[str]:
+    """The stages' compute stalls (``summary.compute_stalls``), a line each stage that has
+    any; nothing for an older summary or a run without."""
+    stages = [e for e in summary["stages"] if (e.get("stalls") or {}).get("count")]
+    if not stages:
+        return []
+    lines = [
+        "compute stalls (a micro-batch > 3x what its shape predicts on its stage; the waits "
+        "they cause are in the classes above):"
+    ]
+    for e in stages:
+        st = e["stalls"]
+        shown = ", ".join(
+            f"mb {x['mb']} {x['compute_s']:.3f} s (~{x['expected_s']:.3f})" for x in st["listed"]
+        )
+        more = (
+            f" and {st['count'] - len(st['listed'])} more"
+            if st["count"] > len(st["listed"])
+            else ""
+        )
+        lines.append(
+            f"  stage {e['stage']}: {st['count']}, {st['excess_s']:.3f} s past the prediction: "
+            f"{shown}{more}"
+        )
     return lines
 
 

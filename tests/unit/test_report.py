@@ -62,6 +62,9 @@ def test_summary_keys(demo_run: Path):
     assert sum(o["microbatches_by_kind"].values()) == o["num_microbatches"] == 60
     mbs = summary["stages"][1]["microbatches"]
     assert mbs["all"]["count"] == 60 and mbs["all"]["compute_cv"] > 0
+    assert all(
+        e["stalls"] == {"count": 0, "excess_s": 0.0, "listed": []} for e in summary["stages"]
+    )
 
 
 def test_summary_splits_the_window_at_the_last_prefill(tmp_path: Path, capsys):
@@ -85,6 +88,49 @@ def test_summary_splits_the_window_at_the_last_prefill(tmp_path: Path, capsys):
     out = capsys.readouterr().out
     assert f"bubble while prefills remain {p['while_prefills']:.1%}" in out
     assert f"of the window) {p['decode_only']:.1%}" in out
+
+
+def test_compute_stalls_name_the_slow_micro_batches(tmp_path: Path, capsys):
+    """Two hybrids that took 10x their neighbours on both stages (a first touch of the KV
+    cache in a VM, say) are named, with what their shape predicted; the wait each caused on
+    stage 1 is in the `hybrid` class, as the shapes give it (Note [compute stalls])."""
+    mbs = [MB("hybrid", 60, 4)] * 40 + [MB("decode", 0, d) for d in range(32, 0, -1)]
+    per_mb = [0.12 if mb.kind == "hybrid" else 0.03 + 0.002 * mb.num_decode_tokens for mb in mbs]
+    per_mb[5] = per_mb[25] = 1.2
+    times = iter([t for t in per_mb for _ in range(2)])  # simulate asks stage 0, then 1
+
+    def timed(s: int, mb: MB) -> float:
+        return next(times)
+
+    d = sim_run(tmp_path / "stalls", mbs, SimConfig(num_stages=2, compute_s=timed))
+    summary = write_report(d, plot=False)
+    for e in summary["stages"]:
+        st = e["stalls"]
+        assert [x["mb"] for x in st["listed"]] == [5, 25] and st["count"] == 2
+        assert all(x["expected_s"] == pytest.approx(0.12) for x in st["listed"])
+        assert st["excess_s"] == pytest.approx(2 * (1.2 - 0.12))
+    assert summary["stages"][1]["bubbles_s"]["hybrid"] >= 1.2 - 0.12 - 1e-9
+    assert cli(str(d)) == 0
+    out = capsys.readouterr().out
+    assert "compute stalls" in out
+    assert "stage 1: 2, 2.160 s past the prediction: mb 5 1.200 s (~0.120), mb 25 1.200" in out
+
+
+def test_shapes_alone_are_no_compute_stalls(tmp_path: Path):
+    """What shapes explain stays out: whole prompts of 128 to 1024 tokens (a per-token cost
+    and attention growing with the prompt), decode-only micro-batches of 1 to 32 decodes
+    over a read of the weights, small hybrids."""
+
+    def compute_s(s: int, mb: MB) -> float:
+        p = mb.num_prefill_tokens
+        return 0.1 + 3e-4 * p + 1e-7 * p * p + 0.002 * mb.num_decode_tokens  # 0.1: the weights
+
+    mbs = [MB("prefill", p) for p in (128, 1024, 512, 128, 1024, 256)] * 3
+    mbs += [MB("hybrid", p, 8) for p in (8, 512, 1024, 1024)] * 3
+    mbs += [MB("decode", 0, d) for d in (1, 32, 8, 2, 16, 4)] * 3
+    d = sim_run(tmp_path / "shapes", mbs, SimConfig(num_stages=2, compute_s=compute_s))
+    for e in write_report(d, plot=False)["stages"]:
+        assert e["stalls"]["count"] == 0, e["stalls"]
 
 
 def test_summary_requests(demo_run: Path):
