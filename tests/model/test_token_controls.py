@@ -178,7 +178,9 @@ def test_ids_past_the_vocabulary_or_nothing_left_are_refused_before_any_work(
         # a two-token bad word rules its last token out only after its first: not refused
         # up front, but once nothing is left the request fails alone, saying so
         late = SamplingParams(allowed_token_ids=[3], bad_words_token_ids=[[3, 3]], max_tokens=4)
-        out, other = llm.generate([[5, 6], [7, 8]], [late, SamplingParams(max_tokens=4)])
+        out, other = llm.generate(
+            [[5, 6], [7, 8]], [late, SamplingParams(max_tokens=4, ignore_eos=True)]
+        )
         assert out.outputs[0].token_ids == [3] and out.outputs[0].finish_reason == "error"
         assert "every token was ruled out" in out.outputs[0].error
         assert other.outputs[0].finish_reason == "length"
