@@ -32,6 +32,12 @@ processes running the whole workload at once: the throughput two cores give with
 pipeline, i.e. the machine's bound for any split of the work over two cores (shared caches,
 memory bus and the hypervisor included, the runtime excluded).
 
+The cores' bound (Note [the cores' bound]): PP=1's wall over the least time the PP=2 run's
+work could take on the usable cores, i.e. everything the machine did in that run (busy
+core-seconds from ``/proc/stat``: the stages, the driver, Ray, the kernel) over the number of
+cores, however it was scheduled. Where PP=2 comes close to it, the gap to 2x is work done,
+not cores left idle.
+
 Where the machine's CPU time went in each run (``/proc``, Linux): the stages' compute (their
 threads' CPU time inside ``execute``, also per micro-batch kind beside its wall time: wall
 minus CPU is time the compute thread was off its core), the driver's process, everything
@@ -603,6 +609,24 @@ def print_driver(runs: list[RunResult]) -> None:
         )
 
 
+def busy_core_s(r: RunResult) -> float:
+    """CPU seconds the whole machine was busy over ``r``'s timed ``generate`` (``/proc/stat``:
+    user, nice, system, irq, softirq; every process, the kernel's own work included)."""
+    return sum(r.machine_cpu.get(k, 0.0) for k in ("user", "nice", "system", "irq", "softirq"))
+
+
+def cores_ratio(runs: list[RunResult], cores: int | None = None) -> float:
+    """Note [the cores' bound]: the throughput ratio if the pipelined run's work had been
+    packed onto the usable cores with no core ever idle: PP=1's wall over (the machine's busy
+    CPU seconds in the pipelined run / the cores). Whatever the schedule, the same work takes
+    at least that long; it counts the driver, Ray and the kernel beside the stages, so it
+    says how much of the gap to the ideal is work done (the stages' extra compute, the
+    runtime's and the machine's processes) rather than cores left idle (fill, drain, waits)."""
+    base, pp = runs
+    least = busy_core_s(pp) / (cores or len(os.sched_getaffinity(0)))
+    return base.wall_s / least if least > 0 else float("nan")
+
+
 def print_cpu(runs: list[RunResult]) -> None:
     """Where the machine's CPU time went over each timed ``generate`` (``/proc/stat``): the
     stages' compute (their threads' CPU time inside ``execute``), the driver's process
@@ -616,7 +640,7 @@ def print_cpu(runs: list[RunResult]) -> None:
     )
     for r in runs:
         m = r.machine_cpu
-        busy = sum(m[k] for k in ("user", "nice", "system", "irq", "softirq"))
+        busy = busy_core_s(r)
         compute = sum(total(sp.get("execute_cpu", [])) for sp in r.stage_spans)
         in_driver = compute if len(r.stage_spans) == 1 else 0.0  # PP=1 computes in-process
         driver = r.driver_cpu_s - in_driver
@@ -625,6 +649,16 @@ def print_cpu(runs: list[RunResult]) -> None:
             f"{compute:>8.2f} {driver:>7.2f} {busy - compute - driver:>7.2f} "
             f"{m['idle'] + m['iowait']:>7.2f} {m['steal']:>7.2f}"
         )
+    cores = len(os.sched_getaffinity(0))
+    pp = runs[1]
+    compute = sum(total(sp.get("execute_cpu", [])) for sp in pp.stage_spans)
+    print(
+        f"the cores' bound (Note [the cores' bound]): {pp.name}'s {busy_core_s(pp):.2f} busy core-s "
+        f"need {busy_core_s(pp) / cores:.2f} s on {cores} cores at the least, whatever the "
+        f"schedule: {cores_ratio(runs):.2f}x ({pp.name} reached "
+        f"{runs[0].wall_s / pp.wall_s / cores_ratio(runs):.0%} of it); its stages' compute alone "
+        f"({compute:.2f} core-s): {runs[0].wall_s / (compute / cores):.2f}x"
+    )
     for r in runs:  # the threads that took the most, as the kernel counts (1/100 s ticks)
         top = sorted(r.threads_cpu.items(), key=lambda kv: -kv[1])[:8]
         print(
@@ -676,8 +710,9 @@ def main(argv: list[str] | None = None) -> None:
             base, pp = pairs[-1]
             print(f"pair {i + 1}/{args.repeat}: {base.name} {base.wall_s:.2f} s, {pp.name} "
                   f"{pp.wall_s:.2f} s: {throughput_ratio(pairs[-1]):.2f}x (ceiling "
-                  f"{ceiling_ratio(pairs[-1]):.2f}x); steal {base.machine_cpu.get('steal', 0):.2f}"
-                  f" / {pp.machine_cpu.get('steal', 0):.2f} s", flush=True)  # fmt: skip
+                  f"{ceiling_ratio(pairs[-1]):.2f}x, cores {cores_ratio(pairs[-1]):.2f}x); "
+                  f"steal {base.machine_cpu.get('steal', 0):.2f} / "
+                  f"{pp.machine_cpu.get('steal', 0):.2f} s", flush=True)  # fmt: skip
     runs = pairs[-1]
     print_throughput(runs, num_prompt_tokens, num_output_tokens)
     print_stages(runs)
@@ -698,13 +733,15 @@ def print_repeats(pairs: list[list[RunResult]]) -> None:
     noisy machine one pair can be off by 10% and more either way."""
     ratios = [throughput_ratio(pair) for pair in pairs]
     ceilings = [ceiling_ratio(pair) for pair in pairs]
+    cores = [cores_ratio(pair) for pair in pairs]
     name, base_name = pairs[0][1].name, pairs[0][0].name
     print(
         f"throughput ratio {name} / {base_name} over {len(pairs)} alternated pairs: median "
         f"{statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x "
         f"({', '.join(f'{r:.2f}' for r in ratios)}); ceiling with each pair's compute times: "
         f"median {statistics.median(ceilings):.2f}x, range {min(ceilings):.2f}-"
-        f"{max(ceilings):.2f}x"
+        f"{max(ceilings):.2f}x; the cores' bound: median {statistics.median(cores):.2f}x, range "
+        f"{min(cores):.2f}-{max(cores):.2f}x"
     )
 
 

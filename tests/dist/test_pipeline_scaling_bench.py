@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -25,12 +27,26 @@ def test_quick_pipeline_scaling_alternates_the_pairs():
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
     found = re.findall(
-        r"^pair \d/2: .*: ([0-9.]+)x \(ceiling ([0-9.]+)x\); steal [0-9.]+ / [0-9.]+ s$", out, re.M
+        r"^pair \d/2: .*: ([0-9.]+)x \(ceiling ([0-9.]+)x, cores ([0-9.]+)x\); "
+        r"steal [0-9.]+ / [0-9.]+ s$",
+        out,
+        re.M,
     )
-    pairs = [float(r) for r, _ in found]
+    pairs = [float(r) for r, _, _ in found]
     assert len(pairs) == 2 and all(r > 0 for r in pairs), out
     # no run beats the least wall its own compute spans allow (fill and drain included)
-    assert all(float(r) <= float(c) for r, c in found), out
+    assert all(float(r) <= float(c) for r, c, _ in found), out
+    # nor the least time its machine's busy CPU seconds take on the cores (1/100 s ticks)
+    assert all(float(r) <= float(k) * 1.05 for r, _, k in found), out
+    bound = re.search(
+        r"^the cores' bound .*: PP=2's ([0-9.]+) busy core-s need ([0-9.]+) s on (\d+) cores at "
+        r"the least, whatever the schedule: ([0-9.]+)x",
+        out,
+        re.M,
+    )
+    assert bound, out
+    busy, least, cores, _ = map(float, bound.groups())
+    assert least == pytest.approx(busy / cores, abs=0.01), out
     checks = re.findall(
         r"^outputs: lengths as requested in 2/2 runs; (\d+)/(\d+) requests identical", out, re.M
     )

@@ -71,3 +71,18 @@ def test_side_by_side_bound_is_two_runs_over_the_window():
     base = RunResult("PP=1", wall_s=10.0)
     side = SideBySide(walls=[11.0, 10.5], window_s=11.0, compute_s=[10.9, 10.4], tokens=[[], []])
     assert side.ratio(base) == pytest.approx(20.0 / 11.0)
+
+
+def test_cores_ratio_is_pp1_wall_over_the_pipelined_runs_busy_cpu_spread_over_the_cores():
+    from pipeline_scaling import busy_core_s, cores_ratio
+
+    base = RunResult("PP=1", wall_s=30.0)
+    pp = RunResult("PP=2", wall_s=17.0)
+    # every busy field counts (the kernel's irq time too); idle, iowait and steal do not
+    pp.machine_cpu = {"user": 26.0, "nice": 0.5, "system": 2.5, "irq": 0.4, "softirq": 0.6,
+                      "idle": 2.0, "iowait": 0.5, "steal": 1.5}  # fmt: skip
+    assert busy_core_s(pp) == pytest.approx(30.0)
+    assert cores_ratio([base, pp], cores=2) == pytest.approx(2.0)  # 30 / (30 / 2)
+    assert cores_ratio([base, pp], cores=4) == pytest.approx(4.0)
+    pp.machine_cpu["user"] += 10.0  # more work done in the same wall: a lower bound
+    assert cores_ratio([base, pp], cores=2) == pytest.approx(1.5)
