@@ -54,8 +54,10 @@ gap between one micro-batch's compute and the next (Ray dispatch, recv, Python).
 driver's time is split the same way: ``scheduler.schedule``, ``executor.submit`` (Ray
 call issue), ``executor.wait_oldest`` (blocked on the stages) and applying results.
 
-Ray is started here with worker niceness 0 (``start_local_ray``): at Ray's default of 15
-the stage actors lose the cores to any other process, PP=1 (in this process) does not.
+Ray is started here as the library starts one for its run (``start_local_ray``; Note [a
+Ray of its own] in ``executors/ray.py``): worker niceness 0, since at Ray's default of 15 the
+stage actors lose the cores to any other process and PP=1 (in this process) does not; Ray's
+own per-task bookkeeping off.
 
 ``--repeat N`` alternates the two runs N times and prints every pair's ratio with their
 median and range (the tables are the last pair's): on a noisy machine one pair's ratio can be
@@ -303,24 +305,14 @@ def build_llm(
 
 
 def start_local_ray() -> bool:
-    """Start Ray here (unless ``RAY_ADDRESS`` names a cluster); returns whether we did.
+    """Start Ray here (unless ``RAY_ADDRESS`` names a cluster) as the library starts one
+    for its run (``executors.ray.start_ray``, Note [a Ray of its own]: a fresh local Ray,
+    its workers at nice 0 like the PP=1 run in this process, Ray's own bookkeeping off);
+    returns whether we did (``run_one`` then stops it after the run: each pipelined run gets
+    a fresh Ray)."""
+    from sarathi_pp.executors.ray import start_ray
 
-    The library's ``ray.init(address=None)`` also connects to the address left in
-    ``/tmp/ray/ray_current_cluster`` by an earlier ``ray start --head``, and hangs in
-    ``Node._init_gcs_client`` when that cluster is gone; ``address="local"`` always starts
-    a fresh one. Ray runs its workers (the stage actors) at nice 15 by default, below the
-    PP=1 run in this process and any other process on a shared machine: worker niceness 0
-    (unless ``RAY_worker_niceness`` is set) keeps the comparison fair."""
-    import logging
-
-    import ray
-
-    if ray.is_initialized():
-        return False
-    os.environ.setdefault("RAY_worker_niceness", "0")  # read by the raylet this starts
-    address = os.environ.get("RAY_ADDRESS") or "local"
-    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
-    return True
+    return start_ray()
 
 
 def run_one(args: argparse.Namespace, num_stages: int, requests, warm) -> RunResult:

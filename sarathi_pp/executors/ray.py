@@ -77,18 +77,41 @@ def _ray():
     return ray
 
 
-def _start_ray(ray) -> bool:
-    """Connect to ``RAY_ADDRESS`` if set, else start a local Ray for this run; returns
-    whether this process started (and so must stop) it."""
+# Note [a Ray of its own]: a Ray this process starts for its run (no ``RAY_ADDRESS``) is
+# the run's alone and ends with it, so it is started for the stages, each setting only
+# where the environment does not already give it (the raylet and the workers it starts
+# read them from the environment they inherit):
+# - ``RAY_worker_niceness=0``: Ray starts workers at nice 15, so any normal process on the
+#   node would take the cores from the stages;
+# - Ray's own bookkeeping off: per-task events (the state API's and dashboard's task
+#   lists), Ray's metrics export, its event-loop statistics and ``ray timeline``. Nothing
+#   reads them here (the dashboard is not started; the run's own records, trace and
+#   metrics are sarathi-pp's), and they cost CPU beside the stages: on a 2-core VM the
+#   machine's CPU time outside the stages fell by 0.25-0.4 s a PP=2 run (of about 1.4; the
+#   wall within its noise: docs/control-plane.md, "Ray's bookkeeping, re-measured").
+# A cluster given by ``RAY_ADDRESS`` (``ray start``, ``ray job submit``) keeps its own
+# settings.
+LOCAL_RAY_ENV = {
+    "RAY_worker_niceness": "0",
+    "RAY_task_events_report_interval_ms": "0",
+    "RAY_enable_metrics_collection": "0",
+    "RAY_event_stats": "0",
+    "RAY_enable_timeline": "0",
+}
+
+
+def start_ray(ray=None) -> bool:
+    """Connect to ``RAY_ADDRESS`` if set, else start a local Ray for this run (Note [a Ray
+    of its own]); returns whether this process started (and so must stop) it."""
+    ray = ray or _ray()
     if ray.is_initialized():
         return False
     # "local" starts a fresh Ray even where a stale `ray start` left its address file
     # behind (a bare ray.init() would try to join that dead cluster).
     address = os.environ.get("RAY_ADDRESS") or "local"
-    # Ray starts workers at nice 15: any normal process on the node would then take the
-    # cores from the stages. A Ray started for this run keeps them at normal priority.
     if address == "local":
-        os.environ.setdefault("RAY_worker_niceness", "0")
+        for name, value in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(name, value)
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     return True
 
@@ -110,7 +133,7 @@ class RayExecutor:
         p = config.parallel
         self.num_stages = p.pipeline_parallel_size
         partition_layers(checkpoint.spec, self.num_stages)  # ValueError before Ray starts
-        self._started_ray = _start_ray(ray)
+        self._started_ray = start_ray(ray)
         self.timeout_s = p.stage_timeout_s
         # Starting actors and loading weights may take longer than a micro-batch on a busy
         # node: set-up waits at least SETUP_TIMEOUT_S whatever stage_timeout_s says.

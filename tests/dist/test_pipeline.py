@@ -371,3 +371,42 @@ def test_pp2_run_dir_records_every_microbatch_on_every_stage(ray_cluster, llama_
         assert abs(sum(s["bubbles_s"].values()) - s["idle_s"]) < 1e-6
         assert 0 < s["busy_s"] < window
     assert summary["requests"]["num_requests"] == len(prompts)
+
+
+LOCAL_RAY_SCRIPT = """
+import json, os, sys
+import ray
+from sarathi_pp import LLM, SamplingParams
+from sarathi_pp.executors.ray import LOCAL_RAY_ENV
+
+llm = LLM(sys.argv[1], pipeline_parallel_size=2, max_model_len=64)
+out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+def env(self):
+    return {name: os.environ.get(name) for name in LOCAL_RAY_ENV}
+seen = ray.get([a.__ray_call__.remote(env) for a in llm.engine.executor.actors])
+llm.shutdown()
+print(json.dumps({"tokens": out[0].outputs[0].token_ids, "stages": seen,
+                  "initialized": ray.is_initialized()}))
+"""
+
+
+def test_a_ray_started_for_the_run_runs_the_stages_at_nice_0_without_rays_bookkeeping(
+    llama_dir,
+):
+    # Note [a Ray of its own]: the engine's own Ray (no RAY_ADDRESS, none running) gives
+    # its workers the settings where the environment does not; one given wins.
+    from sarathi_pp.executors.ray import LOCAL_RAY_ENV
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["RAY_enable_timeline"] = "1"  # the user's own setting
+    proc = subprocess.run(
+        [sys.executable, "-c", LOCAL_RAY_SCRIPT, str(llama_dir)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result["tokens"]) == 3
+    expected = {**LOCAL_RAY_ENV, "RAY_enable_timeline": "1"}
+    assert result["stages"] == [expected, expected]
+    assert expected["RAY_task_events_report_interval_ms"] == "0"
+    assert not result["initialized"]  # the engine stopped the Ray it started
