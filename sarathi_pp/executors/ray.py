@@ -89,8 +89,9 @@ def _ray():
 #   metrics are sarathi-pp's), and they cost CPU beside the stages: on a 2-core VM the
 #   machine's CPU time outside the stages fell by 0.25-0.4 s a PP=2 run (of about 1.4; the
 #   wall within its noise: docs/control-plane.md, "Ray's bookkeeping, re-measured").
-# A cluster given by ``RAY_ADDRESS`` (``ray start``, ``ray job submit``) keeps its own
-# settings.
+# They are in the environment only while ``ray.init`` starts the cluster, so this process's
+# own environment (and what it starts later) is left as it was. A cluster given by
+# ``RAY_ADDRESS`` (``ray start``, ``ray job submit``) keeps its own settings.
 LOCAL_RAY_ENV = {
     "RAY_worker_niceness": "0",
     "RAY_task_events_report_interval_ms": "0",
@@ -109,11 +110,22 @@ def start_ray(ray=None) -> bool:
     # "local" starts a fresh Ray even where a stale `ray start` left its address file
     # behind (a bare ray.init() would try to join that dead cluster).
     address = os.environ.get("RAY_ADDRESS") or "local"
-    if address == "local":
-        for name, value in LOCAL_RAY_ENV.items():
-            os.environ.setdefault(name, value)
-    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    with _environ_defaults(LOCAL_RAY_ENV if address == "local" else {}):
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     return True
+
+
+@contextlib.contextmanager
+def _environ_defaults(defaults: dict[str, str]):
+    """``os.environ`` with ``defaults`` where it has no value of its own, for the ``with``
+    block only."""
+    added = [name for name in defaults if name not in os.environ]
+    os.environ.update({name: defaults[name] for name in added})
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def _cluster_resources(ray, device: str, num_stages: int, timeout_s: float) -> Resources:

@@ -380,12 +380,13 @@ from sarathi_pp import LLM, SamplingParams
 from sarathi_pp.executors.ray import LOCAL_RAY_ENV
 
 llm = LLM(sys.argv[1], pipeline_parallel_size=2, max_model_len=64)
+driver = {name: os.environ.get(name) for name in LOCAL_RAY_ENV}
 out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
 def env(self):
     return {name: os.environ.get(name) for name in LOCAL_RAY_ENV}
 seen = ray.get([a.__ray_call__.remote(env) for a in llm.engine.executor.actors])
 llm.shutdown()
-print(json.dumps({"tokens": out[0].outputs[0].token_ids, "stages": seen,
+print(json.dumps({"tokens": out[0].outputs[0].token_ids, "stages": seen, "driver": driver,
                   "initialized": ray.is_initialized()}))
 """
 
@@ -394,7 +395,8 @@ def test_a_ray_started_for_the_run_runs_the_stages_at_nice_0_without_rays_bookke
     llama_dir,
 ):
     # Note [a Ray of its own]: the engine's own Ray (no RAY_ADDRESS, none running) gives
-    # its workers the settings where the environment does not; one given wins.
+    # its workers the settings where the environment does not; one given wins; the
+    # driver's own environment is left as it was.
     from sarathi_pp.executors.ray import LOCAL_RAY_ENV
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
@@ -409,4 +411,5 @@ def test_a_ray_started_for_the_run_runs_the_stages_at_nice_0_without_rays_bookke
     expected = {**LOCAL_RAY_ENV, "RAY_enable_timeline": "1"}
     assert result["stages"] == [expected, expected]
     assert expected["RAY_task_events_report_interval_ms"] == "0"
+    assert result["driver"] == {name: None for name in LOCAL_RAY_ENV} | {"RAY_enable_timeline": "1"}
     assert not result["initialized"]  # the engine stopped the Ray it started
