@@ -7,7 +7,8 @@ runs through ``LLM.generate`` twice in one process, one after the other, on the 
 default model with the SARATHI scheduler (chunk 256):
 
 * PP=1: the single-process executor; torch limited to ``--threads-per-stage`` (1) threads
-  in this process, so it is the per-core baseline;
+  in this process, so it is the per-core baseline; one micro-batch in flight whatever
+  ``--microbatches-in-flight`` says (Note [PP=1 at M=1]);
 * PP=2: two Ray stage actors, ``num_threads_per_stage`` = ``--threads-per-stage`` each,
   ``num_microbatches_in_flight`` = the number of stages unless ``--microbatches-in-flight``;
   ``--executor ray_compiled`` drives them through a Ray Compiled Graph (no recv/send
@@ -63,6 +64,17 @@ own per-task bookkeeping off.
 median and range (the tables are the last pair's): on a noisy machine one pair's ratio can be
 off by 10% either way, so compare medians of alternated runs, not single runs.
 
+Note [PP=1 at M=1]: the single-process executor computes each micro-batch as it is
+submitted, so more than one in flight hides nothing there; it only shares the running
+decodes out over that many micro-batches (the scheduler's decode groups) and holds each
+sequence's next decode until its micro-batch is applied: fewer decodes ride on each prefill
+chunk and more are left for the decode-only tail (at M=3: 516 decode tokens in the tail's 31
+micro-batches against 207 at M=1). The baseline is PP=1 as the engine's default runs it,
+M=1. Before 2026-12-04 (13:30 UTC) ``--microbatches-in-flight`` applied to PP=1 too; on the
+wall it made no difference beyond the noise (five alternated pairs on the 2-core EPYC VM,
+PP=1 at M=1 against M=3: median 29.83 against 29.89 s, ranges 29.2-31.6 and 29.3-32.3 s), so
+the ratios measured so stand.
+
 Run from the repository root: ``python benchmarks/pipeline_scaling.py [--quick] [--repeat N]``.
 """
 
@@ -96,7 +108,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="builtin:tiny-llama")
     p.add_argument("--num-stages", type=int, default=2, help="stages of the pipelined run")
     p.add_argument("--threads-per-stage", type=int, default=1, help="torch threads per stage")
-    p.add_argument("--microbatches-in-flight", type=int, default=None, help="default: stages")
+    p.add_argument(
+        "--microbatches-in-flight",
+        type=int,
+        default=None,
+        help="the pipelined run's (default: its stages); PP=1 runs one (Note [PP=1 at M=1])",
+    )
     p.add_argument("--scheduler", default="sarathi")
     p.add_argument("--executor", default="ray", choices=["ray", "ray_compiled"],
                    help="the pipelined run's executor")  # fmt: skip
@@ -294,7 +311,8 @@ def build_llm(
         chunk_size=args.chunk_size,
         pipeline_parallel_size=num_stages,
         num_threads_per_stage=args.threads_per_stage,
-        num_microbatches_in_flight=args.microbatches_in_flight,
+        # PP=1 always one (Note [PP=1 at M=1]); the pipelined run as asked
+        num_microbatches_in_flight=args.microbatches_in_flight if num_stages > 1 else 1,
         executor=args.executor if num_stages > 1 else "uniproc",
         schedule_ahead=args.schedule_ahead if num_stages > 1 else False,
         block_size=BLOCK_SIZE,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import random
 import shutil
 
@@ -411,3 +412,32 @@ def test_shutdown_releases_the_weights_and_the_kv_cache(llama_dir):
     with pytest.raises(EngineDeadError, match="engine is dead: it was shut down"):
         llm.generate([[5, 6, 7]], use_tqdm=False)
     llm.shutdown()  # twice: nothing more
+
+
+@pytest.mark.parametrize("in_flight", [1, 3])
+def test_in_flight_above_one_on_the_single_process_executor_is_warned(llama_dir, caplog, in_flight):
+    """One stage computes each micro-batch as it is submitted: more than one in flight only
+    holds each sequence's next decode for that many micro-batches while prompts remain (the
+    warning says so, and the hybrid micro-batches show it); one in flight, no warning."""
+    with caplog.at_level(logging.WARNING, logger="sarathi_pp.executors.uniproc"):
+        llm = LLM(str(llama_dir), max_model_len=128, chunk_size=16,
+                  num_microbatches_in_flight=in_flight)  # fmt: skip
+    warned = f"num_microbatches_in_flight={in_flight} on the single-process executor"
+    assert (warned in caplog.text) == (in_flight > 1)
+    hybrids: list[tuple[int, set[int]]] = []  # (index, the sequences decoding in it)
+    submit = llm.engine.executor.submit
+
+    def noted(mb):
+        if mb.num_prefill_tokens and mb.num_decode_tokens:
+            hybrids.append((mb.microbatch_id, {c.seq_id for c in mb.chunks if not c.is_prefill}))
+        return submit(mb)
+
+    llm.engine.executor.submit = noted
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm.generate(prompts(n=4, length=60), params, use_tqdm=False)
+    assert len(hybrids) >= 4
+    nearest = min(
+        j - i for n, (i, a) in enumerate(hybrids) for j, b in hybrids[n + 1 :] if a & b
+    )  # the fewest micro-batches between two decodes of one sequence beside a prompt's chunk
+    assert nearest == in_flight
+    llm.shutdown()
