@@ -39,6 +39,17 @@ core-seconds from ``/proc/stat``: the stages, the driver, Ray, the kernel) over 
 cores, however it was scheduled. Where PP=2 comes close to it, the gap to 2x is work done,
 not cores left idle.
 
+Note [the two phases]: each run's wall cut where the last micro-batch holding prompt tokens
+leaves the last stage (``phases:``), with each phase's ratio. The prompts' phase splits the
+chunks' compute over the stages; the decode-only tail (the decodes left when the prompts are
+done: 31 steps of the last prompt's) does not scale: each step waits for the one before it
+to pass every stage and come back through the driver, and a sequence decodes at most once
+per micro-batch in flight while prompts remain, so PP=2 at M=3 leaves 516 decodes to its
+tail where PP=1 leaves 207. On a CPU those decodes are not free riders either: above ~8 rows
+a decode micro-batch is compute-bound (``sarathi-pp profile --decode-sweep``: the embedded
+model's 8 layers take ~19 ms for 1-8 decode rows, 40 ms for 16, 60 ms for 24). 2026-12-04 on
+the EPYC VM, M=3: prompts 1.92-1.99x, the tail 0.48-0.63x (1.05-1.76 s against 0.65-0.85 s).
+
 Where the machine's CPU time went in each run (``/proc``, Linux): the stages' compute (their
 threads' CPU time inside ``execute``, also per micro-batch kind beside its wall time: wall
 minus CPU is time the compute thread was off its core), the driver's process, everything
@@ -605,6 +616,33 @@ def print_kinds(runs: list[RunResult]) -> None:
             print(f"{r.name:<6} {kind:<8} {len(idx):>6} {tokens:>7}  " + "  ".join(per_stage))
 
 
+def phases(r: RunResult) -> tuple[float, float]:
+    """Note [the two phases]: ``r``'s wall split where the last micro-batch holding prompt
+    tokens leaves the last stage: (the prompts' phase, the decode-only tail)."""
+    last = max((i for i, (k, _) in enumerate(r.microbatches) if k != "decode"), default=-1)
+    ex = r.stage_spans[-1]["execute"] if r.stage_spans else []
+    if last < 0 or last >= len(ex):
+        return r.wall_s, 0.0
+    cut = min(max(ex[last][1], r.window[0]), r.window[1])
+    return cut - r.window[0], r.window[1] - cut
+
+
+def print_phases(runs: list[RunResult]) -> None:
+    """Note [the two phases]: the prompts' phase scales with the stages (the chunks'
+    compute splits); the decode-only tail does not: each step of it waits for the step
+    before to go through every stage, and more micro-batches in flight leave more decodes to
+    it (a sequence decodes at most once per micro-batches in flight while prompts remain)."""
+    (b1, b2), (p1, p2) = (phases(r) for r in runs)
+    base, pp = runs
+    ratio = lambda a, b: f"{a / b:.2f}x" if b > 0 else "-"  # noqa: E731
+    tail_tokens = [sum(n for k, n in r.microbatches if k == "decode") for r in runs]
+    print(
+        f"phases: prompts {base.name} {b1:.2f} s, {pp.name} {p1:.2f} s ({ratio(b1, p1)}); "
+        f"decode-only tail {base.name} {b2:.2f} s ({tail_tokens[0]} decodes), {pp.name} "
+        f"{p2:.2f} s ({tail_tokens[1]} decodes) ({ratio(b2, p2)})"
+    )
+
+
 def print_driver(runs: list[RunResult]) -> None:
     print(
         f"{'driver':<6} {'schedule s':>10} {'submit s':>9} {'wait s':>7} {'apply s':>8} "
@@ -727,6 +765,7 @@ def main(argv: list[str] | None = None) -> None:
     print_throughput(runs, num_prompt_tokens, num_output_tokens)
     print_stages(runs)
     print_kinds(runs)
+    print_phases(runs)
     print_driver(runs)
     print_cpu(runs)
     for pair in pairs:

@@ -63,6 +63,21 @@ def test_quick_pipeline_scaling_alternates_the_pairs():
     assert len(sides) == 2, out
     assert all(float(b) > 0 and same == "identical to PP=1's" for b, same in sides), out
     assert re.search(r"^two-core bound over 2 runs: median [0-9.]+x", out, re.M), out
+    # the last pair's two phases add up to each run's wall (the throughput table's)
+    walls = dict(
+        re.findall(r"^(PP=[12]) +[0-9+]+ +[0-9+-]+ +([0-9.]+) +[0-9.]+ +[0-9.]+$", out, re.M)
+    )
+    ph = re.search(
+        r"^phases: prompts PP=1 ([0-9.]+) s, PP=2 ([0-9.]+) s \([0-9.]+x\); decode-only tail "
+        r"PP=1 ([0-9.]+) s \((\d+) decodes\), PP=2 ([0-9.]+) s \((\d+) decodes\)",
+        out,
+        re.M,
+    )
+    assert ph and set(walls) == {"PP=1", "PP=2"}, out
+    p1, p2, t1, _, t2, _ = map(float, ph.groups())
+    assert p1 + t1 == pytest.approx(float(walls["PP=1"]), abs=0.02), out
+    assert p2 + t2 == pytest.approx(float(walls["PP=2"]), abs=0.02), out
+    assert t1 > 0 and t2 > 0, out  # short.yaml's prompts end before its decodes do
     # every run's CPU accounting: the stages' compute is part of the machine's busy time
     table = out[out.index("\ncpu s ") :].splitlines()[2:4]
     cpu = [

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from pipeline_scaling import RunResult, ceiling_ratio, least_wall_s  # noqa: E402
+from pipeline_scaling import RunResult, ceiling_ratio, least_wall_s, phases  # noqa: E402
 
 
 def spans(*lengths: float) -> list[tuple[float, float]]:
@@ -86,3 +86,15 @@ def test_cores_ratio_is_pp1_wall_over_the_pipelined_runs_busy_cpu_spread_over_th
     assert cores_ratio([base, pp], cores=4) == pytest.approx(4.0)
     pp.machine_cpu["user"] += 10.0  # more work done in the same wall: a lower bound
     assert cores_ratio([base, pp], cores=2) == pytest.approx(1.5)
+
+
+def test_phases_cut_where_the_last_prompt_micro_batch_leaves_the_last_stage():
+    r = RunResult("PP=2", wall_s=10.0, window=(100.0, 110.0))
+    r.microbatches = [("prefill", 256), ("hybrid", 256), ("decode", 8), ("hybrid", 250)]
+    r.microbatches += [("decode", 8), ("decode", 4)]
+    first = {"execute": [(100.0, 101.0), (101.0, 102.0), (102.0, 102.1), (102.1, 103.0)]}
+    last = {"execute": [(101.0, 102.0), (102.0, 103.0), (103.0, 103.2), (103.2, 104.5)]}
+    r.stage_spans = [first, last]
+    assert phases(r) == pytest.approx((4.5, 5.5))  # the 4th (a hybrid) ends at 104.5
+    r.microbatches = [("decode", 8)] * 6  # no micro-batch holds prompt tokens: no cut
+    assert phases(r) == (10.0, 0.0)
