@@ -41,8 +41,8 @@ class UniprocExecutor:
                 "num_microbatches_in_flight=%d on the single-process executor: each "
                 "micro-batch is computed as it is submitted, so nothing overlaps; above 1 it "
                 "only shares the running decodes out over %d micro-batches, each sequence "
-                "decoding in every %s one (about %dx the time between its tokens while "
-                "prompts remain). 1 is best here.", m, m, _ordinal(m), m,
+                "decoding once every %d (about %dx the time between its tokens while "
+                "prompts remain). 1 is best here.", m, m, m, m,
             )  # fmt: skip
 
     def load_model(self) -> list[StageMemory]:
@@ -99,7 +99,3 @@ class UniprocExecutor:
                 self._run(MicroBatch(microbatch.microbatch_id, (chunk,), microbatch.released))
             )
         return result
-
-
-def _ordinal(n: int) -> str:
-    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
