@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import yaml
-from helpers import hf_greedy
+from helpers import hf_greedy, record_submits
 
 from sarathi_pp import LLM, LLMEngine, SamplingParams, load_config
 
@@ -424,17 +424,12 @@ def test_in_flight_above_one_on_the_single_process_executor_is_warned(llama_dir,
                   num_microbatches_in_flight=in_flight)  # fmt: skip
     warned = f"num_microbatches_in_flight={in_flight} on the single-process executor"
     assert (warned in caplog.text) == (in_flight > 1)
-    hybrids: list[tuple[int, set[int]]] = []  # (index, the sequences decoding in it)
-    submit = llm.engine.executor.submit
-
-    def noted(mb):
-        if mb.num_prefill_tokens and mb.num_decode_tokens:
-            hybrids.append((mb.microbatch_id, {c.seq_id for c in mb.chunks if not c.is_prefill}))
-        return submit(mb)
-
-    llm.engine.executor.submit = noted
+    seen = record_submits(llm.engine, lambda mb: (
+        mb.microbatch_id, mb.kind == "hybrid", {c.seq_id for c in mb.chunks if not c.is_prefill},
+    ))  # fmt: skip
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     llm.generate(prompts(n=4, length=60), params, use_tqdm=False)
+    hybrids = [(i, decoding) for i, hybrid, decoding in seen if hybrid]
     assert len(hybrids) >= 4
     nearest = min(
         j - i for n, (i, a) in enumerate(hybrids) for j, b in hybrids[n + 1 :] if a & b
