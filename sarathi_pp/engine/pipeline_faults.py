@@ -5,7 +5,9 @@
   sequences (``Scheduler.on_microbatches_lost``: preempted by recompute, outputs
   unchanged). The engine stays usable.
 - A lost stage (``StageLost``, Ray): the stages are replaced (``RayExecutor.restart``) up to
-  ``parallel.max_stage_restarts`` times; the outage is a ``recovery`` idle interval.
+  ``parallel.max_stage_restarts`` times, and with them every KV cache, so every running
+  sequence is recomputed (``Scheduler.on_kv_lost``); the outage is a ``recovery`` idle
+  interval.
 - Otherwise (``StageError``, or no restart left): the engine dies: stages released,
   ``is_alive()`` false, every later call raises ``EngineDeadError`` saying why.
 """
@@ -84,13 +86,16 @@ class PipelineFaults:
         self.executor.release_stages()
 
     def _recover(self, error: StageLost) -> None:
-        """Replace the lost stage (all stages: one process group); every sequence in
-        flight is recomputed. The outage is a ``recovery`` idle interval in the records."""
+        """Replace the lost stage (all stages: one process group); every running sequence
+        is recomputed (its KV went with the old stages). The outage is a ``recovery`` idle interval in the records."""
         self._restarts += 1
         logger.warning("%s: replacing the stages (restart %d of %d)", error, self._restarts,
                        self.config.parallel.max_stage_restarts)  # fmt: skip
         self.recorder.idle(self.now(), IDLE_RECOVERY)
         self._abandon_inflight(resync=False)
+        # The new stages' caches are empty: every running sequence had KV there, whether
+        # a lost micro-batch held it or not.
+        self.scheduler.on_kv_lost()
         try:
             self.executor.restart()  # type: ignore[attr-defined]  # Ray's executor
         except Exception as e:

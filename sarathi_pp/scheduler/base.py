@@ -266,6 +266,25 @@ class Scheduler(ABC):
         assert all(s.num_inflight == 0 for s in self.seqs.values()), "a micro-batch was missed"
         return requeued
 
+    def on_kv_lost(self) -> list[Sequence]:
+        """The stages' KV caches were replaced (a lost stage: new actors, empty caches), so
+        every running sequence is recomputed from its prompt and the tokens it has
+        (preempted by recompute, its output unchanged), not only those of the micro-batches
+        lost with the stage: a sequence between two micro-batches (a decode waiting behind
+        prefills, a prompt waiting for its next chunk) held KV there too. Call after
+        ``on_microbatches_lost`` (nothing in flight). Returns the sequences requeued here."""
+        assert all(s.num_inflight == 0 for s in self.seqs.values()), "micro-batches in flight"
+        requeued = list(self.running)
+        for seq in requeued:
+            self._preempt(seq)
+        # Every preempted sequence (now, with the lost micro-batches, or before) is at the
+        # front of the queue: there in admission order, ahead of those never admitted.
+        front = []
+        while self.waiting and self.waiting[0].admit_order >= 0:
+            front.append(self.waiting.popleft())
+        self.waiting.extendleft(sorted(front, key=lambda s: s.admit_order, reverse=True))
+        return requeued
+
     def seqs_by_id(self, seq_id: int) -> Sequence:
         # Known until freed, even after ``finish``: a micro-batch in flight may still hold it.
         return self.seqs[seq_id]

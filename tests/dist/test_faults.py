@@ -100,6 +100,62 @@ def test_an_injected_exit_is_recovered_once(ray_cluster, llama_dir, reference, t
     assert sum(r["reason"] == "recovery" for r in idles) == 1
 
 
+# The vllm policy runs whole prompts in micro-batches of their own while the decodes wait:
+# with 4 sequences at most and 48 prompt tokens a micro-batch, a finished sequence's
+# successor is prefilled alone while the others' decodes sit between micro-batches.
+WAITING_DECODES = dict(scheduler="vllm", max_num_seqs=4, max_num_batched_tokens=48)
+LONGER = [[7 + i, 40, 3 * i + 1, 99, 5] * (2 + i) for i in range(8)]
+
+
+def idle_running(llm: LLM, in_flight) -> list[int]:
+    """The running sequences that no micro-batch of ``in_flight`` holds."""
+    held = {c.seq_id for mb in in_flight for c in mb.chunks}
+    return [s.seq_id for s in llm.engine.scheduler.running if s.seq_id not in held]
+
+
+def test_a_lost_stage_recomputes_the_sequences_between_micro_batches(ray_cluster, llama_dir):
+    """A stage lost while a running sequence is in no micro-batch: its KV went with the old
+    stages too, so it is recomputed like those in flight, and the outputs equal an
+    undisturbed run (before, it went on decoding over the new stages' empty cache)."""
+    with LLM(str(llama_dir), max_model_len=256, dtype="float32") as pp1:
+        reference = [o.outputs[0].token_ids for o in pp1.generate(LONGER, GREEDY, use_tqdm=False)]
+    # An undisturbed run finds a micro-batch whose wait comes with a sequence between
+    # micro-batches (the schedule does not depend on timing: every request is there at t=0).
+    with LLM(str(llama_dir), **BASE, **WAITING_DECODES) as llm:
+        waits: list[tuple[int, list[int]]] = []
+        wait_oldest = llm.engine.executor.wait_oldest
+
+        def noted():
+            inflight = llm.engine._inflight
+            waits.append((inflight[0].microbatch_id, idle_running(llm, inflight)))
+            return wait_oldest()
+
+        llm.engine.executor.wait_oldest = noted
+        assert [
+            o.outputs[0].token_ids for o in llm.generate(LONGER, GREEDY, use_tqdm=False)
+        ] == reference
+    # Two waits in a row with a sequence between micro-batches: stage 1 exits before its
+    # (oldest + 1)-th micro-batch, and the driver finds it lost while waiting for that one
+    # or, when the exit beats the reply to the one before, for that (either way with the
+    # same micro-batches in flight as above).
+    idle = dict(waits)
+    oldest = next(mb for mb, _ in waits if idle[mb] and idle.get(mb - 1))
+    fault = {"parallel.inject_fault": f"exit@stage=1,step={oldest + 1}"}
+    with LLM(str(llama_dir), **BASE, **WAITING_DECODES, **fault) as llm:
+        idle_at_loss: list[list[int]] = []
+        lost = llm.engine.scheduler.on_microbatches_lost
+
+        def noted_lost(microbatches):
+            idle_at_loss.append(idle_running(llm, microbatches))
+            return lost(microbatches)
+
+        llm.engine.scheduler.on_microbatches_lost = noted_lost
+        outs = llm.generate(LONGER, GREEDY, use_tqdm=False)
+        assert len(idle_at_loss) == 1 and idle_at_loss[0], idle_at_loss
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        assert free_blocks(llm) and llm.engine.is_alive()
+
+
 def test_no_restart_left_is_a_clear_error_then_a_dead_engine(ray_cluster, llama_dir, executor):
     llm = LLM(str(llama_dir), **BASE, **executor, max_stage_restarts=0, stage_timeout_s=30)
     ray_cluster.kill(llm.engine.executor.actors[1])

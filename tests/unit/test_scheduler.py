@@ -572,6 +572,36 @@ def test_preemption_picks_most_recent_not_in_flight():
     assert sched.num_preemptions == 1 and s2.metrics.num_preemptions == 1
 
 
+@pytest.mark.parametrize("policy", scheduler_names())
+def test_kv_lost_recomputes_every_running_sequence_in_admission_order(policy):
+    """A lost stage takes every KV cache with it: the sequences of the lost micro-batch and
+    the one between micro-batches are all recomputed (tokens kept, blocks freed), the
+    oldest admitted first, ahead of a request never admitted."""
+    sched = make_scheduler(policy, 64, 4, num_inflight=2, chunk_size=64)
+    for i in range(3):
+        sched.add(make_seq(Request(i, [1, 2, 3, 4 + i], 5)))
+    first = sched.schedule(0.0)  # the three prompts
+    assert first is not None and sorted(first.sampled_seq_ids) == [0, 1, 2]
+    sched.on_step_done(first, {0: 7, 1: 8, 2: 9}, 1.0)
+    sched.add(make_seq(Request(3, [5, 6], 5, arrival_time=5.0)))  # not arrived yet
+    decodes = sched.schedule(1.0)  # two of the three decodes (shared over two in flight)
+    assert decodes is not None and len(decodes.chunks) == 2
+    (between,) = [s for s in sched.running if s.num_inflight == 0]
+    assert sched.on_microbatches_lost([decodes]) == [
+        sched.seqs_by_id(c.seq_id) for c in sorted(decodes.chunks, key=lambda c: c.seq_id)
+    ]
+    assert between.block_table and between.status is SequenceStatus.RUNNING
+    assert sched.on_kv_lost() == [between]
+    assert [s.seq_id for s in sched.waiting] == [0, 1, 2, 3] and not sched.running
+    assert sched.block_manager.num_free_blocks == 64
+    for i in range(3):
+        s = sched.seqs_by_id(i)
+        assert s.output_token_ids == [7 + i] and s.num_scheduled_tokens == 0 and not s.block_table
+    again = sched.schedule(2.0)  # recomputed from the prompt and the token each has
+    assert again is not None and 0 in again.sampled_seq_ids
+    assert [c.token_ids for c in again.chunks if c.seq_id == 0] == [(1, 2, 3, 4, 7)]
+
+
 def test_no_preemption_of_sequences_in_flight():
     sched = make_scheduler("sarathi", 3, 4, chunk_size=64, tile_align=False)
     sched.add(make_seq(Request(0, [1, 2, 3, 4], 5)))
