@@ -4,15 +4,20 @@ and a KV cache small enough to preempt often; then the checks a long-running ser
     python benchmarks/soak.py                 # 1000 requests (~5 min on 2 cores)
     python benchmarks/soak.py --quick         # 150 requests (< 1 min): what CI runs
     python benchmarks/soak.py --pp 2          # the same through two Ray stage actors
+    python benchmarks/soak.py --pp 2 --kill-stages 3   # ... and three stage actors killed
 
 A small random Llama is built into a temp folder (the point is the engine's bookkeeping,
 not the model). Every request is greedy with ``ignore_eos``; a tenth are aborted a random
 number of steps after they arrive; a few are poisoned (``parallel.inject_fault``: the stage
-raises whenever a micro-batch holds them). Checks, each printed with its figure:
+raises whenever a micro-batch holds them); with ``--kill-stages N`` (PP >= 2) a random
+stage actor is killed N times over the run (``parallel.max_stage_restarts`` = N), each at a
+random step. Checks, each printed with its figure:
 
 - every request that was neither aborted nor poisoned finishes with ``length`` and exactly
   the tokens of a clean reference run (the same prompts, one ``generate`` call, a big cache);
 - every poisoned request finishes with ``error``, every aborted one with ``abort``;
+- with ``--kill-stages N``: N stages lost, N times replaced, the engine alive (a lost stage
+  costs recomputation, never a request: the first check covers their outputs);
 - all KV blocks are free once the engine is idle;
 - resident memory grows by less than 5% from the first fifth of the run to its end;
 - ``schedule()`` with 10k waiting requests: p99 under 2 ms.
@@ -51,6 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--poisoned", type=int, default=3, help="requests that make a stage raise")
     p.add_argument("--num-kv-blocks", type=int, default=24, help="16-token blocks: small")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (2: Ray actors)")
+    p.add_argument(
+        "--kill-stages", type=int, default=0,
+        help="kill a random stage actor this many times at random steps (PP >= 2)",
+    )  # fmt: skip
+    p.add_argument("--scheduler", default="sarathi", help="the policy (sarathi, vllm, ...)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="150 requests: the CI version")
     args = p.parse_args(argv)
@@ -60,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--requests >= 10, --abort-fraction in [0, 1), --rate > 0")
     if args.poisoned >= args.requests // 2:
         p.error("--poisoned must be well below --requests")
+    if args.kill_stages < 0 or (args.kill_stages and args.pp < 2):
+        p.error("--kill-stages needs --pp 2 or more (stage actors to kill) and is >= 0")
     return args
 
 
@@ -91,19 +103,39 @@ class Workload:
         rest = [i for i in others if i not in self.poisoned]
         num_aborts = int(n * args.abort_fraction)
         self.abort_after = {i: rng.randint(0, 30) for i in rng.sample(rest, num_aborts)}
+        # the k-th kill after the request (index kills[k]) has arrived, a random stage
+        self.kills = sorted(rng.sample(range(n // 10, n - n // 10), args.kill_stages))
+        self.kill_stage = [rng.randrange(args.pp) for _ in range(args.kill_stages)]
+        self.kill_delay = [rng.randint(0, 20) for _ in range(args.kill_stages)]  # steps
 
     def params(self, i: int) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens[i], temperature=0.0, ignore_eos=True)
 
 
-def serve(engine: LLMEngine, w: Workload) -> tuple[dict, list[float], float]:
-    """Add each request at its arrival, abort the chosen ones some steps later; the final
-    outputs, RSS samples and the wall time."""
+def kill_stage(engine: LLMEngine, stage_idx: int) -> None:
+    """Kill stage ``stage_idx``'s Ray actor, as a crash would (no clean exit)."""
+    import ray
+
+    ray.kill(engine.executor.actors[stage_idx])
+
+
+def serve(engine: LLMEngine, w: Workload) -> tuple[dict, list[float], float, int]:
+    """Add each request at its arrival, abort the chosen ones some steps later, kill the
+    chosen stages; the final outputs, RSS samples, the wall time and the kills done."""
     n = len(w.prompts)
     finished: dict[str, object] = {}
     steps_since: dict[int, int] = {}
     next_idx, start, rss = 0, time.monotonic(), []
+    kills, kill_steps = 0, -1  # kills done; steps until the next one (-1: not armed)
     while len(finished) < n:
+        # armed once the request has arrived and the last kill's stages are replaced
+        replaced = engine.num_stage_restarts == kills
+        if kills < len(w.kills) and kill_steps < 0 and next_idx > w.kills[kills] and replaced:
+            kill_steps = w.kill_delay[kills]
+        if kill_steps == 0:
+            kill_stage(engine, w.kill_stage[kills])
+            kills += 1
+        kill_steps -= 1 if kill_steps >= 0 else 0
         now = time.monotonic() - start
         while next_idx < n and w.arrivals[next_idx] <= now:
             engine.add_request(str(next_idx), None, w.params(next_idx),
@@ -123,7 +155,7 @@ def serve(engine: LLMEngine, w: Workload) -> tuple[dict, list[float], float]:
                     rss.append(rss_mb())
         if engine.num_inflight == 0 and not engine.has_unfinished_requests() and next_idx < n:
             time.sleep(min(0.01, max(0.0, w.arrivals[next_idx] - now)))
-    return finished, rss, time.monotonic() - start
+    return finished, rss, time.monotonic() - start, kills
 
 
 def schedule_p99_ms(num_waiting: int = 10_000) -> tuple[float, float]:
@@ -153,14 +185,17 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(
             None, model=model, max_model_len=192, num_kv_blocks=args.num_kv_blocks,
             block_size=16, max_num_seqs=16, chunk_size=64, pipeline_parallel_size=args.pp,
-            num_threads_per_stage=1, **{"parallel.inject_fault": faults or None},
+            num_threads_per_stage=1, scheduler=args.scheduler,
+            **{"parallel.inject_fault": faults or None,
+               "parallel.max_stage_restarts": args.kill_stages},
         )  # fmt: skip
         engine = LLMEngine(config)
         try:
-            finished, rss, wall = serve(engine, w)
+            finished, rss, wall, kills = serve(engine, w)
             bm = engine.scheduler.block_manager
             blocks_free = (bm.num_free_blocks, bm.num_blocks)
             preemptions = engine.scheduler.num_preemptions
+            restarts, alive = engine.num_stage_restarts, engine.is_alive()
         finally:
             engine.shutdown()
         clean = [i for i in range(len(w.prompts)) if i not in w.poisoned and i not in w.abort_after]
@@ -186,7 +221,13 @@ def main(argv: list[str] | None = None) -> int:
          else "RSS: too few samples", growth < 0.05),
         (f"schedule() at 10k waiting: p50 {p50:.3f} ms, p99 {p99:.3f} ms", p99 < 2.0),
     ]  # fmt: skip
-    print(f"soak: {len(w.prompts)} requests at {args.rate:g}/s, PP={args.pp}, "
+    if args.kill_stages:
+        checks.append((
+            f"{kills} of {args.kill_stages} stage kills done, {restarts} stages replaced, "
+            f"engine {'alive' if alive else 'dead'}",
+            kills == restarts == args.kill_stages and alive,
+        ))  # fmt: skip
+    print(f"soak: {len(w.prompts)} requests at {args.rate:g}/s, {args.scheduler}, PP={args.pp}, "
           f"{args.num_kv_blocks} KV blocks x 16; {wall:.1f} s; {preemptions} preemptions; "
           f"{sum(r == 'abort' for r in reasons.values())} aborted")  # fmt: skip
     for what, ok in checks:

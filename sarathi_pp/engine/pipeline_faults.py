@@ -52,6 +52,11 @@ class PipelineFaults:
         def now(self) -> float: ...
         def shutdown(self) -> None: ...
 
+    @property
+    def num_stage_restarts(self) -> int:
+        """Lost stages replaced so far (at most ``parallel.max_stage_restarts``)."""
+        return self._restarts
+
     def is_alive(self) -> bool:
         """False once the pipeline is lost for good (``dead_reason`` says why)."""
         return self.dead_reason is None

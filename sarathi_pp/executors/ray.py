@@ -40,6 +40,7 @@ import time
 from collections import deque
 
 from sarathi_pp.checkpoint import Checkpoint
+from sarathi_pp.comm.p2p import StageCommError
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.executors.base import StageError, StageLost
 from sarathi_pp.faults import after_restart
@@ -65,6 +66,16 @@ from sarathi_pp.stages.worker import StageSpec
 logger = logging.getLogger(__name__)
 
 SETUP_TIMEOUT_S = 120.0
+
+# Note [a dead peer seen first]: when a stage's process dies outright (SIGKILL, the OOM
+# killer) the stage it sends to or receives from is waiting on their connection and fails
+# at once ("connection closed by peer"), a plain task error, while Ray's word that the
+# process is gone travels through the GCS and often arrives later. Taken as it came, the
+# failure read as a StageError and the engine died where it should have replaced the lost
+# stage. So a stage's communication error first looks, for up to LOST_PEER_GRACE_S, for a
+# stage that died: the micro-batch's other results, then every actor asked once.
+LOST_PEER_GRACE_S = 10.0
+ABANDONED_WAIT_S = 2.0
 
 
 def _ray():
@@ -151,6 +162,7 @@ class RayExecutor:
         # node: set-up waits at least SETUP_TIMEOUT_S whatever stage_timeout_s says.
         self.setup_timeout_s = max(self.timeout_s, SETUP_TIMEOUT_S)
         self._inflight: deque[tuple[MicroBatch, list]] = deque()
+        self._abandoned: list = []  # results of a failed micro-batch nobody took
         # The sampled tokens of the last few micro-batches collected: a micro-batch
         # resubmitted after an isolation may take its decodes' input from them.
         self._collected: dict[int, dict[int, int]] = {}
@@ -366,8 +378,54 @@ class RayExecutor:
                     f"micro-batch {microbatch.microbatch_id}: no result within {self.timeout_s:g} s",
                 )
             for ref in ready:
-                outputs[index[ref]] = self._get_one(index[ref], ref, microbatch)
+                try:
+                    outputs[index[ref]] = self._get_one(index[ref], ref, microbatch)
+                except StageError as e:
+                    self._abandoned.extend(refs)  # the others' results: taken at release
+                    if isinstance(e, StageLost) or not _is_comm_failure(e):
+                        raise
+                    others = [r for r in refs if r is not ref]
+                    lost = self._find_lost(others, index, microbatch, deadline)
+                    if lost is None:
+                        raise
+                    raise lost from e
         return outputs
+
+    def _find_lost(
+        self, refs: list, index: dict, microbatch: MicroBatch, deadline: float
+    ) -> StageLost | None:
+        """Note [a dead peer seen first]: the ``StageLost`` of a stage whose actor died, from
+        ``refs`` (the micro-batch's other results) or, once they are all in, from asking
+        every actor; ``None`` if none is found within the grace."""
+        from ray.exceptions import RayActorError
+
+        ray = self._ray
+        end = min(deadline, time.monotonic() + LOST_PEER_GRACE_S)
+        pending = list(refs)
+        while pending and (left := end - time.monotonic()) > 0:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            for ref in ready:
+                try:
+                    self._get_one(index[ref], ref, microbatch)
+                except StageLost as lost:
+                    return lost
+                except StageError:
+                    pass
+        if pending:
+            return None
+        probes = {a.clock.remote(): i for i, a in enumerate(self.actors)}
+        waiting = list(probes)
+        while waiting and (left := end - time.monotonic()) > 0:
+            ready, waiting = ray.wait(waiting, num_returns=1, timeout=left)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except RayActorError:
+                    return StageLost(
+                        probes[ref],
+                        f"micro-batch {microbatch.microbatch_id}: the stage actor died",
+                    )
+        return None
 
     def _get_one(self, stage_idx: int, ref, microbatch: MicroBatch):
         """A stage's ``(StepResult | None, StageEvent)`` for ``microbatch``."""
@@ -410,9 +468,30 @@ class RayExecutor:
         until ``shutdown``. Ray's shutdown resets the process's SIGTERM handling (its core
         worker's, below Python's), which a server still answering 503 needs for its own
         graceful stop: a SIGTERM then killed it outright (exit 143, no records)."""
+        abandoned = self._abandoned_results()
+        self._abandoned = []
         self._kill_actors()
         self._inflight.clear()
         self._forget_ring()
+        self._collect_abandoned(abandoned)
+
+    def _abandoned_results(self) -> list:
+        """The result references nobody will take: a failed micro-batch's, the ones in
+        flight."""
+        return self._abandoned + [ref for _, refs in self._inflight for ref in refs]
+
+    def _collect_abandoned(self, refs: list) -> None:
+        """Take the results of abandoned micro-batches, whatever they are, so that Ray does
+        not log each failed one as an "Unhandled error" when its reference goes (a stage
+        beside a dead one fails on their connection: expected then). The actors are killed
+        already, so every result is in at once, or within ``ABANDONED_WAIT_S``."""
+        if not refs:
+            return
+        ray = self._ray
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=ABANDONED_WAIT_S)
+        for ref in ready:
+            with contextlib.suppress(Exception):
+                ray.get(ref, timeout=0)
 
     def shutdown(self) -> None:
         ray = self._ray
@@ -420,3 +499,9 @@ class RayExecutor:
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
             self._started_ray = False
+
+
+def _is_comm_failure(error: StageError) -> bool:
+    """Whether ``error`` is a stage's task failing on its connection to another stage
+    (Note [a dead peer seen first])."""
+    return isinstance(getattr(error.__cause__, "cause", None), StageCommError)

@@ -181,6 +181,10 @@ class RayCompiledExecutor(RayExecutor):
         self._inflight.clear()
         self._teardown()
 
+    def _abandoned_results(self) -> list:
+        """None to take: the graph's own references go with its teardown."""
+        return []
+
     def _teardown(self) -> None:
         dag, self._dag = self._dag, None
         if dag is None:

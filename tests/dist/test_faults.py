@@ -7,6 +7,7 @@ mid-run leaves the engine usable with clean outputs."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import signal
 import threading
@@ -17,7 +18,8 @@ import pytest
 from sarathi_pp import LLM, SamplingParams
 from sarathi_pp.engine import EngineDeadError
 from sarathi_pp.events import read_events
-from sarathi_pp.executors import StageError
+from sarathi_pp.executors import StageError, StageLost
+from sarathi_pp.microbatch import MicroBatch
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = [[7 + i, 40, 3 * i + 1, 99, 5] * (2 + i) for i in range(6)]
@@ -154,6 +156,91 @@ def test_a_lost_stage_recomputes_the_sequences_between_micro_batches(ray_cluster
         assert len(idle_at_loss) == 1 and idle_at_loss[0], idle_at_loss
         assert [o.outputs[0].token_ids for o in outs] == reference
         assert free_blocks(llm) and llm.engine.is_alive()
+
+
+def stage_pid(actor) -> int:
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+
+
+def test_a_stage_killed_while_the_next_one_receives_is_replaced(ray_cluster, llama_dir, reference):
+    """Stage 0 killed outright (SIGKILL, as the OOM killer does) while stage 1 waits for
+    its activations: stage 1 fails at once on the closed connection, often before Ray
+    reports stage 0's process gone, and that was a StageError: the engine died instead of
+    replacing the stage (Note [a dead peer seen first]). Now it is replaced and the
+    outputs equal an undisturbed run."""
+    step = 6  # stage 0 stalls before its 6th micro-batch: stage 1 waits for micro-batch 5
+    fault = {"parallel.inject_fault": f"stall@stage=0,step={step},seconds=60"}
+    with LLM(str(llama_dir), **BASE, **fault) as llm:
+        executor = llm.engine.executor
+        pid0 = stage_pid(executor.actors[0])
+        wait_oldest = executor.wait_oldest
+        killed: list[int] = []
+
+        def kill_then_wait():
+            if not killed and executor._inflight[0][0].microbatch_id == step - 1:
+                killed.append(pid0)
+                time.sleep(0.5)  # stage 0 stalls, stage 1 is in its receive
+                os.kill(pid0, signal.SIGKILL)
+            return wait_oldest()
+
+        executor.wait_oldest = kill_then_wait
+        start = time.monotonic()
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert killed and time.monotonic() - start < 60  # not the stall's end
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        assert llm.engine.num_stage_restarts == 1 and llm.engine.is_alive()
+        assert free_blocks(llm)
+
+
+def test_a_receive_error_beside_a_dead_stage_is_a_lost_stage(ray_cluster, llama_dir):
+    """The executor's side of the test above, with the order fixed: stage 1's result is a
+    communication error while stage 0's process, busy with its micro-batch, is still
+    alive; it is killed half a second later. The wait names stage 0 lost (the engine then
+    replaces the stages), not stage 1 failed."""
+    from sarathi_pp.comm.p2p import StageCommError
+
+    def closed(self):
+        raise StageCommError("stage 1: failed waiting to receive micro-batch 0 from stage 0")
+
+    with LLM(str(llama_dir), **BASE) as llm:
+        executor = llm.engine.executor
+        stage0, stage1 = executor.actors
+        failed = stage1.__ray_call__.remote(closed)
+        ray_cluster.wait([failed])  # its error is in before anything is known of stage 0
+        pid0 = stage_pid(stage0)
+        busy = stage0.__ray_call__.remote(lambda self: time.sleep(60))
+        threading.Timer(0.5, os.kill, (pid0, signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(
+            StageLost, match="pipeline stage 0: micro-batch 0: the stage actor died"
+        ):
+            executor._wait_stages(MicroBatch(0, ()), [busy, failed])
+        assert time.monotonic() - start < 10  # LOST_PEER_GRACE_S
+
+
+def test_a_receive_error_with_every_stage_alive_stays_a_stage_error(
+    ray_cluster, llama_dir, monkeypatch
+):
+    """No stage died: after the grace the communication error is what it is, naming the
+    stage that had it."""
+    import sarathi_pp.executors.ray as ray_executor
+    from sarathi_pp.comm.p2p import StageCommError
+
+    def closed(self):
+        raise StageCommError("stage 1: failed waiting to receive micro-batch 0 from stage 0")
+
+    monkeypatch.setattr(ray_executor, "LOST_PEER_GRACE_S", 1.0)
+    with LLM(str(llama_dir), **BASE) as llm:
+        executor = llm.engine.executor
+        stage0, stage1 = executor.actors
+        done = stage0.__ray_call__.remote(lambda self: pickle.dumps(None))
+        failed = stage1.__ray_call__.remote(closed)
+        ray_cluster.wait([failed])
+        with pytest.raises(StageError, match="pipeline stage 1: micro-batch 0 failed") as e:
+            executor._wait_stages(MicroBatch(0, ()), [done, failed])
+        assert not isinstance(e.value, StageLost)
 
 
 def test_no_restart_left_is_a_clear_error_then_a_dead_engine(ray_cluster, llama_dir, executor):
