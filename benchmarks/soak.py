@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sarathi_pp import LLM, LLMEngine, SamplingParams, load_config  # noqa: E402
+from sarathi_pp.cli.common import parse_set_items  # noqa: E402
 from sarathi_pp.config import SchedulerConfig  # noqa: E402
 from sarathi_pp.scheduler import create_scheduler  # noqa: E402
 from sarathi_pp.sequence import Sequence  # noqa: E402
@@ -61,6 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="kill a random stage actor this many times at random steps (PP >= 2)",
     )  # fmt: skip
     p.add_argument("--scheduler", default="sarathi", help="the policy (sarathi, vllm, ...)")
+    p.add_argument(
+        "--set", dest="set_items", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="any other config key, as sarathi-pp's --set (e.g. parallel.executor=ray_compiled)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="150 requests: the CI version")
     args = p.parse_args(argv)
@@ -70,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--requests >= 10, --abort-fraction in [0, 1), --rate > 0")
     if args.poisoned >= args.requests // 2:
         p.error("--poisoned must be well below --requests")
+    try:
+        args.overrides = parse_set_items(args.set_items)
+    except ValueError as e:
+        p.error(str(e))
     if args.kill_stages < 0 or (args.kill_stages and args.pp < 2):
         p.error("--kill-stages needs --pp 2 or more (stage actors to kill) and is >= 0")
     return args
@@ -180,14 +189,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     w = Workload(args)
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(build_tiny_llama_dir(Path(tmp) / "model", seed=args.seed, **SMALL_LLAMA))
+        layers = {**SMALL_LLAMA, "num_hidden_layers": max(2, args.pp)}  # a layer per stage
+        model = str(build_tiny_llama_dir(Path(tmp) / "model", seed=args.seed, **layers))
         faults = ";".join(f"raise@stage={args.pp - 1},seq={i}" for i in sorted(w.poisoned))
         config = load_config(
             None, model=model, max_model_len=192, num_kv_blocks=args.num_kv_blocks,
             block_size=16, max_num_seqs=16, chunk_size=64, pipeline_parallel_size=args.pp,
             num_threads_per_stage=1, scheduler=args.scheduler,
             **{"parallel.inject_fault": faults or None,
-               "parallel.max_stage_restarts": args.kill_stages},
+               "parallel.max_stage_restarts": args.kill_stages, **args.overrides},
         )  # fmt: skip
         engine = LLMEngine(config)
         try:
@@ -227,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
             f"engine {'alive' if alive else 'dead'}",
             kills == restarts == args.kill_stages and alive,
         ))  # fmt: skip
-    print(f"soak: {len(w.prompts)} requests at {args.rate:g}/s, {args.scheduler}, PP={args.pp}, "
+    settings = "".join(f", {k}={v}" for k, v in args.overrides.items())
+    print(f"soak: {len(w.prompts)} requests at {args.rate:g}/s, {args.scheduler}, "
+          f"PP={args.pp}{settings}, "
           f"{args.num_kv_blocks} KV blocks x 16; {wall:.1f} s; {preemptions} preemptions; "
           f"{sum(r == 'abort' for r in reasons.values())} aborted")  # fmt: skip
     for what, ok in checks:

@@ -84,8 +84,16 @@ class TokenRing:
     def tokens(self, sources: tuple[int, ...]) -> dict[int, dict[int, int]]:
         """``seq_id -> token`` of each micro-batch in ``sources`` (sampled by the last
         stage; a chunk it could not sample is left out), waiting for those not here yet."""
-        newest = max(sources)
-        while self._posted and self._posted[0].microbatch_id <= newest:
+        # Note [the latest run wins]: every receive up to the last one posted for a source is
+        # taken, in posting order. A micro-batch can run more than once (after a stage
+        # raised on one: its sequences retried one at a time, the ones behind it drained and
+        # issued again, ray.py ``_isolate``), so its later runs' messages come after newer
+        # micro-batches' first ones; stopping at the first newer id read a drained run's
+        # tokens (which may be wrong: it read K/V the failed one left unwritten).
+        last = max(
+            (i for i, p in enumerate(self._posted) if p.microbatch_id in sources), default=-1
+        )
+        for _ in range(last + 1):
             self._take()
         missing = [j for j in sources if j not in self._got]
         if missing:
@@ -112,6 +120,8 @@ class TokenRing:
         for seq_id, token in zip(posted.seq_ids, values[1:], strict=True):
             if token != NO_TOKEN:
                 got[seq_id] = token
+            else:  # not sampled in this run, the latest: an earlier run's token is stale
+                got.pop(seq_id, None)
 
     # --- the last stage ------------------------------------------------------------------------
     def send(self, microbatch_id: int, seq_ids: list[int], sampled: dict[int, int]) -> None:

@@ -340,6 +340,49 @@ def test_three_stage_relay():
     assert values(run_world(_relay, 3)) == {0: 0, 1: 1, 2: 2}
 
 
+# A stage raised on micro-batch 9 (sequences 3 and 4; 4 is the bad one): the ones behind it,
+# 10 and 11, ran on and are drained (their tokens may be wrong: they read K/V 9 left
+# unwritten), 9's sequences are retried one at a time, then 10 and 11 run again (ray.py
+# ``_isolate``). Stage 0 posts one receive per run, the last stage sends one message per run,
+# in the same order; (id, seq_ids, what the last stage sampled in that run).
+RUNS = [
+    (9, [3, 4], {}),  # failed: nothing sampled
+    (10, [1], {1: 666}),  # drained
+    (11, [2], {2: 777}),  # drained
+    (9, [3], {3: 30}),  # retried alone
+    (9, [4], {}),  # retried alone: fails again
+    (10, [1], {1: 100}),  # issued again
+    (11, [2], {2: 200}),  # issued again
+]
+
+
+def _ring_reruns(rank: int, world_size: int, finished) -> Any:
+    from sarathi_pp.comm.ring import TokenRing
+
+    ring = TokenRing(rank, world_size, timeout_s=RECV_TIMEOUT_S, group=None, max_pending=16)
+    for mb, seq_ids, sampled in RUNS:
+        if rank == 0:
+            ring.expect(mb, seq_ids)
+        else:
+            ring.send(mb, seq_ids, sampled)
+    if rank == 0:  # a micro-batch scheduled ahead of 10, then ones of 9 and 11 (copies:
+        # the ring keeps adding to its own)
+        return [
+            {j: dict(got) for j, got in ring.tokens(sources).items()}
+            for sources in [(10,), (9,), (11,)]
+        ]
+    ring.flush(timeout_s=RECV_TIMEOUT_S)
+    return None
+
+
+def test_the_token_ring_gives_each_micro_batch_its_latest_run():
+    """Note [the latest run wins] (comm/ring.py): a micro-batch that ran again after an
+    isolation gives its decodes the tokens of its last run, not of the drained one (the
+    ring stopped at the first newer id in posting order, and a decode scheduled ahead of
+    10 read 666); a sequence its last run did not sample has none."""
+    assert values(run_world(_ring_reruns, 2))[0] == [{10: {1: 100}}, {9: {3: 30}}, {11: {2: 200}}]
+
+
 # --- single process: argument checks ------------------------------------------------------
 def test_first_and_last_stage_have_no_peer_in_that_direction():
     t = StageTransport(0, 1, "cpu", timeout_s=1)  # one stage needs no process group
