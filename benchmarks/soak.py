@@ -144,7 +144,8 @@ def serve(engine: LLMEngine, w: Workload) -> tuple[dict, list[float], float, int
         if kill_steps == 0:
             kill_stage(engine, w.kill_stage[kills])
             kills += 1
-        kill_steps -= 1 if kill_steps >= 0 else 0
+        if kill_steps >= 0:  # counting down to the next kill (-1 after it: not armed)
+            kill_steps -= 1
         now = time.monotonic() - start
         while next_idx < n and w.arrivals[next_idx] <= now:
             engine.add_request(str(next_idx), None, w.params(next_idx),

@@ -92,7 +92,8 @@ class PipelineFaults:
 
     def _recover(self, error: StageLost) -> None:
         """Replace the lost stage (all stages: one process group); every running sequence
-        is recomputed (its KV went with the old stages). The outage is a ``recovery`` idle interval in the records."""
+        is recomputed (its KV went with the old stages). The outage is a ``recovery`` idle
+        interval in the records."""
         self._restarts += 1
         logger.warning("%s: replacing the stages (restart %d of %d)", error, self._restarts,
                        self.config.parallel.max_stage_restarts)  # fmt: skip
