@@ -20,7 +20,7 @@ import torch
 from sarathi_pp.bench.workload import Workload, load_workload
 from sarathi_pp.microbatch import MicroBatch
 from sarathi_pp.model_spec import DTYPE_BYTES, ModelSpec
-from sarathi_pp.stages.linear import Linear, available_kinds
+from sarathi_pp.stages.model.linear import Linear, available_kinds
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -168,7 +168,7 @@ def matmul_rates(
     m: int = 256, k: int = 1024, n: int = 2816, seconds: float = 1.0
 ) -> dict[str, float]:
     """The machine's fp32 matmul rate in GFLOP/s by way of computing ``[m, k] @ [k, n]``:
-    ``torch.mm`` (MKL) and every packed kind of ``sarathi_pp.stages.linear.Linear`` that runs
+    ``torch.mm`` (MKL) and every packed kind of ``sarathi_pp.stages.model.linear.Linear`` that runs
     here (the engine's own: on an AVX-512 EPYC, 2 threads, oneDNN's prepacked kernel ran 202
     GFLOP/s against MKL's 160, and the engine's steps ran above a floor taken from
     ``torch.mm`` alone). The best of them is the peak a compute floor is taken at. The

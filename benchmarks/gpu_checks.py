@@ -12,7 +12,7 @@ backend ``select_backend`` picks, ``build_metadata`` on hand-made micro-batches,
   ((hybrid - prefill-only) / N) over its cost in a decode-only step (decode-only / N);
 * decode-only steps without and with a CUDA graph (the layers' forward captured once);
 * the control plane's L per micro-batch: the embedded model's engine on this device, the
-  time per step outside ``StageWorker.execute`` (scheduling, metadata, sampling return).
+  time per step outside ``ModelRunner.execute`` (scheduling, metadata, sampling return).
 
 ``--device cpu --tiny`` runs every part on tiny shapes on CPU (no CUDA graph): the smoke
 mode that tests/model/test_gpu_checks.py runs so the script cannot rot. Run from the
@@ -31,11 +31,11 @@ import torch
 
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
 from sarathi_pp.model_spec import spec_from_dict
-from sarathi_pp.stages.attention import ATTENTION_BACKENDS, select_backend
-from sarathi_pp.stages.kv_cache import KVCache
-from sarathi_pp.stages.metadata import build_metadata
-from sarathi_pp.stages.model import DecoderLayer, layer_ops
-from sarathi_pp.stages.rope import RotaryEmbedding
+from sarathi_pp.stages.model.attention import ATTENTION_BACKENDS, select_backend
+from sarathi_pp.stages.model.kv_cache import KVCache
+from sarathi_pp.stages.model.llama import DecoderLayer, layer_ops
+from sarathi_pp.stages.model.rope import RotaryEmbedding
+from sarathi_pp.stages.worker.metadata import build_metadata
 
 LLAMA_7B = {
     "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
@@ -241,11 +241,11 @@ def decode_graphs(layers: Layers, decodes: list[ScheduledChunk], repeats: int) -
 
 
 def control_plane(device: str, steps: int) -> None:
-    """L per micro-batch on PP=1: the engine's time per step outside ``StageWorker.execute``."""
+    """L per micro-batch on PP=1: the engine's time per step outside ``ModelRunner.execute``."""
     from sarathi_pp import LLM, SamplingParams
 
     with LLM("builtin:tiny-llama", device=device, dtype="float32", max_model_len=512) as llm:
-        worker = llm.engine.executor.worker
+        worker = llm.engine.executor.runner
         execute, inside = worker.execute, []
 
         def timed_execute(*a, **kw):

@@ -1,4 +1,4 @@
-"""Small-row matmuls on CPU: every kind of ``sarathi_pp.stages.linear.Linear`` that runs here
+"""Small-row matmuls on CPU: every kind of ``sarathi_pp.stages.model.linear.Linear`` that runs here
 (``f_linear``: MKL through F.linear; ``onednn``: a prepacked oneDNN weight; ``panel_gemm``: our
 packed C kernel), on the embedded model's weight shapes.
 
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 import torch  # noqa: E402
 from common import add_threads_flag, load_average, machine_line, parse_int_list, set_threads  # noqa: E402
 
-from sarathi_pp.stages.linear import Linear, available_kinds, choose_kind  # noqa: E402
+from sarathi_pp.stages.model.linear import Linear, available_kinds, choose_kind  # noqa: E402
 
 SHAPES = {"qkv": (1536, 1024), "o": (1024, 1024), "gate_up": (5632, 1024), "down": (1024, 2816)}
 

@@ -1,6 +1,6 @@
 """Attention over the paged KV cache, one layer, in one process: the portable path (gather
 the context into a buffer, then SDPA) vs the in-place C kernels
-(``sarathi_pp.stages.paged_cpu``). Decodes against the bandwidth floor of reading that
+(``sarathi_pp.stages.kernels.cpu.paged_attention``). Decodes against the bandwidth floor of reading that
 layer's K/V once at the copy rate measured in the same run; a prefill chunk over its cached
 prefix (``--prefill``) in GFLOP/s against the matmul rate measured in the same run.
 
@@ -31,12 +31,12 @@ from common import (  # noqa: E402
     set_threads,
 )
 
-from sarathi_pp.stages.attention import (  # noqa: E402
+from sarathi_pp.stages.kernels.cpu.paged_attention import kernel_threads, load_kernel, load_prefill  # noqa: E402
+from sarathi_pp.stages.model.attention import (  # noqa: E402
     ATTENTION_BACKENDS,
     AttentionMetadata,
     PrefillSlice,
 )
-from sarathi_pp.stages.paged_cpu import kernel_threads, load_kernel, load_prefill  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

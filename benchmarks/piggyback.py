@@ -6,7 +6,7 @@ step the same N decode rows ride along with a prefill chunk (SARATHI's decode-ma
 batching): the weights are streamed once for ``chunk + N`` rows, and the extra cost of
 the N decodes is only their share of the matmul arithmetic plus their attention.
 
-This script times, on the embedded default model and through ``StageWorker.execute`` (the
+This script times, on the embedded default model and through ``ModelRunner.execute`` (the
 exact path the engine uses: micro-batch -> metadata -> model -> sampler), three micro-batches:
 
 * decode-only: N decodes, each with ``--decode-context`` tokens already in its KV cache;
@@ -56,8 +56,8 @@ from common import (  # noqa: E402
 from sarathi_pp import LLM, SamplingParams  # noqa: E402
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk  # noqa: E402
 from sarathi_pp.model_spec import ModelSpec  # noqa: E402
-from sarathi_pp.stages.paged_cpu import kernel_threads  # noqa: E402
-from sarathi_pp.stages.worker import StageWorker  # noqa: E402
+from sarathi_pp.stages.kernels.cpu.paged_attention import kernel_threads  # noqa: E402
+from sarathi_pp.stages.worker.model_runner import ModelRunner  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 QUICK = {
@@ -127,7 +127,7 @@ class BlockAllocator:
 
 
 def fill_kv(
-    worker: StageWorker, seq_id: int, tokens: list[int], table: tuple[int, ...], chunk: int
+    worker: ModelRunner, seq_id: int, tokens: list[int], table: tuple[int, ...], chunk: int
 ) -> None:
     """Run prefill micro-batches over ``tokens`` (in chunks of ``chunk``) so their K/V is cached."""
     for start in range(0, len(tokens), chunk):
@@ -135,7 +135,7 @@ def fill_kv(
         worker.execute(MicroBatch(0, (piece,)))
 
 
-def build_workload(worker: StageWorker, args: argparse.Namespace, block_size: int) -> Workload:
+def build_workload(worker: ModelRunner, args: argparse.Namespace, block_size: int) -> Workload:
     vocab = worker.spec.vocab_size
     alloc = BlockAllocator(args.num_blocks, block_size)
     prompt_len = args.prefill_offset + args.chunk_size
@@ -167,7 +167,7 @@ def make_microbatches(work: Workload, decode_counts: list[int]) -> dict[str, Mic
 
 
 def measure(
-    worker: StageWorker, microbatches: dict[str, MicroBatch], warmup: int, repeats: int
+    worker: ModelRunner, microbatches: dict[str, MicroBatch], warmup: int, repeats: int
 ) -> dict[str, float]:
     """Median seconds per micro-batch; every repeat runs all micro-batches once, interleaved.
 
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     num_threads = set_threads(args.threads)
     llm = LLM.from_config(args.config, num_kv_blocks=args.num_blocks)
     engine = llm.engine
-    worker = engine.executor.worker
+    worker = engine.executor.runner
     print(machine_line(num_threads))
     print(
         f"model: {engine.model_dir} ({engine.spec.num_params() / 1e6:.0f}M params, "

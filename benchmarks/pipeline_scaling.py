@@ -58,7 +58,7 @@ else (the stage processes outside ``execute``, Ray's own processes, the kernel),
 run it falls in, so a pair's ratio moves with it; each pair's line shows both runs' steal.
 
 Where the time goes (Note [probes]): the script wraps, on instances only (no library file
-is changed), ``StageWorker.execute`` (metadata + layers + sampler: the stage's compute),
+is changed), ``ModelRunner.execute`` (metadata + layers + sampler: the stage's compute),
 and inside the stage actors also ``StageTransport.recv`` / ``send``, recording
 ``time.monotonic()`` spans (one clock for every process on a Linux machine). Per stage it
 prints compute time, busy fraction = compute / generate wall, receive wait, and the median
@@ -175,7 +175,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # so it touches only this benchmark's engine. Inside a Ray actor the probes are installed
 # through ``actor.__ray_call__`` (runs a function on the actor instance, queued after its
 # earlier calls); the actor's own ``run`` is looked up on the class by Ray, but what it calls
-# (``self.worker.execute``, ``self.transport.recv/send``) goes through the instances.
+# (``self.runner.execute``, ``self.transport.recv/send``) goes through the instances.
 def _wrap(obj: object, name: str, spans: list[Span], cpu: list[Span] | None = None) -> None:
     """Record each call's ``time.monotonic()`` span in ``spans``, and its calling thread's
     CPU time span (``time.thread_time()``) in ``cpu`` if given: wall minus CPU is the time
@@ -198,7 +198,7 @@ def install_stage_probes(stage) -> tuple[int, int]:
     """Runs inside a ``PipelineStage`` actor: time execute/recv/send; returns its torch
     threads and its niceness."""
     stage._bench_spans = {"execute": [], "execute_cpu": [], "recv": [], "send": []}
-    _wrap(stage.worker, "execute", stage._bench_spans["execute"], stage._bench_spans["execute_cpu"])
+    _wrap(stage.runner, "execute", stage._bench_spans["execute"], stage._bench_spans["execute_cpu"])
     if stage.transport is not None:  # none under ray_compiled: the graph's channels
         if not stage.stage.is_first:
             _wrap(stage.transport, "recv", stage._bench_spans["recv"])
@@ -399,7 +399,7 @@ def _run_one(
         else:
             sp = {"execute": [], "execute_cpu": [], "recv": [], "send": []}
             result.stage_spans = [sp]
-            _wrap(llm.engine.executor.worker, "execute", sp["execute"], sp["execute_cpu"])
+            _wrap(llm.engine.executor.runner, "execute", sp["execute"], sp["execute_cpu"])
             result.stage_threads, result.stage_nice = [torch.get_num_threads()], [os.nice(0)]
         install_driver_probes(llm, result)
         prompts, params = timed_inputs(requests)
@@ -432,7 +432,7 @@ def _side_by_side_worker(args, requests, warm, barrier, queue) -> None:
     llm = warmed_llm(args, 1, requests, warm)
     try:
         spans: list[Span] = []
-        _wrap(llm.engine.executor.worker, "execute", spans)
+        _wrap(llm.engine.executor.runner, "execute", spans)
         prompts, params = timed_inputs(requests)
         barrier.wait()
         t0 = time.monotonic()

@@ -67,7 +67,7 @@ def metric_sums(text: str) -> dict[str, float]:
 
 def small_model(root: Path) -> str:
     """A small random Llama (byte tokenizer) for the quick run: seconds to build."""
-    from sarathi_pp.stages.builtin import build_tiny_llama_dir
+    from sarathi_pp.stages.loader.builtin import build_tiny_llama_dir
 
     dims = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4)
     dims.update(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

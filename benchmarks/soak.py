@@ -185,7 +185,7 @@ def schedule_p99_ms(num_waiting: int = 10_000) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sarathi_pp.stages.builtin import build_tiny_llama_dir
+    from sarathi_pp.stages.loader.builtin import build_tiny_llama_dir
 
     args = parse_args(argv)
     w = Workload(args)

@@ -29,7 +29,7 @@ are not a bug on their own).
 Efficiency: model FLOPs of the workload (``common.chunk_flops``: 2 x non-embedding params
 per token fed, 2 x hidden x vocab per sampled row, 4 x context x hidden per token and layer
 for attention) divided by that time, against the machine's fp32 matmul rate measured here.
-Our steps are also timed one by one (a wrapper around ``StageWorker.execute``), so FLOP/s is
+Our steps are also timed one by one (a wrapper around ``ModelRunner.execute``), so FLOP/s is
 shown per kind of step (prefill-only, hybrid, decode-only) and the time outside the model
 (scheduling, bookkeeping) is the wall time of our ``generate`` minus the step times. Each
 step has two floors (``common.floor_s``): its FLOPs at the matmul rate and its bytes (the
@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Step(NamedTuple):
-    """One ``StageWorker.execute`` call."""
+    """One ``ModelRunner.execute`` call."""
 
     seconds: float
     flops: int
@@ -129,7 +129,7 @@ def total(steps: list[Step]) -> Step:
 
 @dataclass
 class StepTotals:
-    """Our ``StageWorker.execute`` calls, each kept (so every step can be held to its own
+    """Our ``ModelRunner.execute`` calls, each kept (so every step can be held to its own
     floors), keyed by the micro-batch's kind (prefill, hybrid, decode)."""
 
     by_kind: dict[str, list[Step]] = field(default_factory=dict)
@@ -181,7 +181,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
         "prefault_kv_cache": args.prefault,
     }
     llm = LLM.from_config(args.config, **{k: v for k, v in overrides.items() if v is not None})
-    if not hasattr(llm.engine.executor, "worker"):
+    if not hasattr(llm.engine.executor, "runner"):
         llm.shutdown()
         raise SystemExit("error: the step timing needs the single-process executor (PP=1)")
     return llm
@@ -222,7 +222,7 @@ def run_ours(llm: LLM, requests: list[BenchRequest]) -> RunResult:
     )
     cfg = llm.engine.config.scheduler
     steps = StepTotals()
-    time_steps(llm.engine.executor.worker, spec, steps)
+    time_steps(llm.engine.executor.runner, spec, steps)
     prompts = [list(r.prompt_token_ids) for r in requests]
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, [request_params(r) for r in requests], use_tqdm=False)
@@ -294,7 +294,7 @@ def print_flops(runs: list[RunResult], total_flops: int, measured: list[dict[str
 def print_step_breakdown(ours: RunResult, peak_gflops: float, gbps: float, dtype: str) -> None:
     """Our FLOP/s by kind of step against both floors (``common.floor_s``; ``gbps``: the copy
     rate measured in this run), the decode-only steps by size, and the time spent outside
-    ``StageWorker.execute``."""
+    ``ModelRunner.execute``."""
     print(
         f"{'sarathi-pp steps':<16} {'steps':>6} {'time s':>8} {'GFLOP':>8} {'GFLOP/s':>8} "
         f"{'of peak':>8} {'compute':>8} {'bandwidth':>9} {'larger':>8} {'time /':>7}"
@@ -331,7 +331,7 @@ def print_step_breakdown(ours: RunResult, peak_gflops: float, gbps: float, dtype
         print_decode_sizes(by_kind["decode"], peak_gflops, gbps, DTYPE_BYTES[dtype])
     in_steps = sum(total(steps).seconds for steps in by_kind.values())
     print(
-        f"outside StageWorker.execute (scheduler, bookkeeping, outputs): "
+        f"outside ModelRunner.execute (scheduler, bookkeeping, outputs): "
         f"{ours.wall_s - in_steps:.2f} s of {ours.wall_s:.2f} s generate() wall"
     )
 
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     rate_before, copy_before = matmul_rates(), copy_gbps()
     llm = build_llm(args)
     num_threads = torch.get_num_threads()  # what our engine runs with (the config may set it)
-    kv = llm.engine.executor.worker.kv
+    kv = llm.engine.executor.runner.kv
     if kv.prefault_s is not None:
         print(
             f"KV cache: {kv.nbytes() / 2**30:.2f} GiB mapped at start-up in {kv.prefault_s:.1f} s "

@@ -1,6 +1,6 @@
 """Paged KV cache bookkeeping: which physical blocks belong to which sequence (no tensors).
 
-The tensors live on each stage (``sarathi_pp/stages/kv_cache.py``); all stages share the
+The tensors live on each stage (``sarathi_pp/stages/model/kv_cache.py``); all stages share the
 block ids decided here, so a stage only needs the block table carried by the microbatch.
 """
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from sarathi_pp.config import BUILTIN_PREFIX, ModelConfig
 from sarathi_pp.model_spec import ModelSpec, load_model_spec
 
-BUILTIN_RESOLVER = "sarathi_pp.stages.builtin:resolve_builtin"
+BUILTIN_RESOLVER = "sarathi_pp.stages.loader.builtin:resolve_builtin"
 # A Hugging Face hub id: "org/name" (letters, digits, "-", "_", "."), not a local path.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # What a model needs from the hub: never the repo's other weights formats or its code.

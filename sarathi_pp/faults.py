@@ -16,7 +16,7 @@ poisoned request) stays: the request is as bad for the new stages.
 
 Sequence ids number requests in the order they were added (``LLM.generate``: prompt order,
 from 0, counting every earlier call). Pure Python: parsed when the config is built, acted on
-by the stages (``stages/pipeline_stage.py``, ``stages/worker.py``).
+by the stages (``stages/worker/pipeline_stage.py``, ``stages/worker/model_runner.py``).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class ScheduledChunk:
     ring_from: int = -1
     # Penalties or bad words (``SamplingParams.keeps_tokens``): on the prefill chunk that
     # samples, the sequence's tokens before ``start``, so the last stage knows the whole
-    # sequence from then on (it adds each token it samples; ``stages/penalties.py``).
+    # sequence from then on (it adds each token it samples; ``stages/worker/penalties.py``).
     history: tuple[int, ...] = ()
     # Prompt log-probabilities (``SamplingParams.prompt_logprobs``): the prompt tokens this
     # chunk's rows predict, row ``r`` the token at ``start + r + 1`` (so at most one per row,

@@ -236,7 +236,7 @@ class SamplingParams:
 
     @property
     def keeps_tokens(self) -> bool:
-        """Whether the last stage keeps the sequence's tokens (``stages/penalties.py``):
+        """Whether the last stage keeps the sequence's tokens (``stages/worker/penalties.py``):
         for the penalties, and for a bad word of more than one token (its prefix is
         matched against the output)."""
         return self.has_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)

@@ -2,7 +2,7 @@
 
 Each variant is a small causal LM (hidden 64, 2-3 layers, byte vocab) built from a
 transformers config class with seeded random weights, saved as float32 safetensors next to
-the byte tokenizer (``sarathi_pp.stages.builtin``). ``initializer_range=0.3`` makes greedy
+the byte tokenizer (``sarathi_pp.stages.loader.builtin``). ``initializer_range=0.3`` makes greedy
 outputs vary token to token, so a wrong token is visible rather than hidden in a repeat.
 
 The oracle is ``hf_greedy``: Hugging Face's own ``generate`` on one unpadded prompt. Random
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from sarathi_pp.stages.builtin import (
+from sarathi_pp.stages.loader.builtin import (
     BOS_TOKEN_ID,
     BYTE_VOCAB_SIZE,
     EOS_TOKEN_ID,

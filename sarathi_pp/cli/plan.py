@@ -66,7 +66,7 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.simulate:
         return run_simulated(args)
-    from sarathi_pp.stages.device import probe_resources  # torch: once the flags are good
+    from sarathi_pp.stages.worker.device import probe_resources  # torch: once the flags are good
 
     with user_errors():
         if args.run_dir is not None or args.overwrite:

@@ -35,7 +35,7 @@ from sarathi_pp.planner.profile_analysis import (
 from sarathi_pp.run_dir import PROFILE_FILE
 
 if TYPE_CHECKING:
-    from sarathi_pp.stages.profiler import StageSetup
+    from sarathi_pp.stages.worker.profiler import StageSetup
 
 
 @dataclass(frozen=True)
@@ -246,8 +246,8 @@ def machine_line() -> str:
 # --- the subcommand ---------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     # torch: only once the flags are good
-    from sarathi_pp.stages.device import probe_resources
-    from sarathi_pp.stages.profiler import StageProfiler, binding_stage, stage_setup
+    from sarathi_pp.stages.worker.device import probe_resources
+    from sarathi_pp.stages.worker.profiler import StageProfiler, binding_stage, stage_setup
 
     with user_errors():
         config = config_from_args(args)

@@ -60,8 +60,8 @@ from sarathi_pp.placement import (
     resolve_placement,
 )
 from sarathi_pp.planner.memory import StageMemory, with_activations
-from sarathi_pp.stages.device import probe_resources
-from sarathi_pp.stages.worker import StageSpec
+from sarathi_pp.stages.worker.device import probe_resources
+from sarathi_pp.stages.worker.model_runner import StageSpec
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class RayExecutor:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from sarathi_pp.stages.pipeline_stage import PipelineStage
+        from sarathi_pp.stages.worker.pipeline_stage import PipelineStage
 
         n, device = self.num_stages, placement.device
         # Fractional CPUs so that more stages than cores still start (2-core CI, PP=4); the

@@ -1,7 +1,8 @@
 """Pipeline parallelism under torchrun: one rank per stage, rank 0 drives.
 
 Rank 0 hosts the engine (with the scheduler) and stage 0 through ``TorchrunExecutor``;
-ranks 1..P-1 each run one stage in ``serve_stage``. ``python -m sarathi_pp.launch.torchrun``
+ranks 1..P-1 each run one stage's loop, ``PipelineStage.serve``, driven by ``RankControl``
+(``join_as_stage`` sets both up). ``python -m sarathi_pp.launch.torchrun``
 starts both sides.
 
 Process groups (every rank joins them in ``join_pipeline``, in the same order): the default
@@ -44,9 +45,9 @@ from sarathi_pp.executors.base import StageError
 from sarathi_pp.microbatch import MicroBatch, StepResult, retry_one_at_a_time, without_failed
 from sarathi_pp.placement import Placement, Resources, resolve_placement
 from sarathi_pp.planner.memory import StageMemory, with_activations
-from sarathi_pp.stages.device import probe_resources
-from sarathi_pp.stages.pipeline_stage import PipelineStage
-from sarathi_pp.stages.worker import StageSpec
+from sarathi_pp.stages.worker.device import probe_resources
+from sarathi_pp.stages.worker.model_runner import StageSpec
+from sarathi_pp.stages.worker.pipeline_stage import PipelineStage
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,9 @@ class TorchrunExecutor:
                 "the torchrun executor runs under `torchrun ... -m sarathi_pp.launch.torchrun`"
             )
         if int(os.environ["RANK"]) != 0:
-            raise RuntimeError("only rank 0 drives the pipeline; the others run serve_stage")
+            raise RuntimeError(
+                "only rank 0 drives the pipeline; the others run PipelineStage.serve"
+            )
         check_world_size(config)
         self.num_stages = config.parallel.pipeline_parallel_size
         self.placement = resolve_placement(config, checkpoint.spec, torchrun_resources())
@@ -281,41 +284,60 @@ def _unexpected(rank: int, got: object, expected: str) -> StageError:
 
 
 def resolve_stage(config: EngineConfig) -> tuple[Checkpoint, Placement]:
-    """What ``serve_stage`` runs; bad settings raise here, before any group is joined."""
+    """What a rank's stage runs; bad settings raise here, before any group is joined."""
     check_world_size(config)
     checkpoint = load_checkpoint(config.model)
     return checkpoint, resolve_placement(config, checkpoint.spec, torchrun_resources())
 
 
-def serve_stage(
+def join_as_stage(
     config: EngineConfig, rank: int, checkpoint: Checkpoint, placement: Placement
-) -> None:
-    """Ranks 1..P-1: run one stage on every micro-batch rank 0 sends, until ``None``."""
+) -> tuple[PipelineStage, RankControl]:
+    """Ranks 1..P-1: join the pipeline's groups; this rank's stage and what drives its loop
+    (``stage.serve(control)`` runs it until rank 0 is done)."""
     control = join_pipeline(config, placement)
     stage = _make_stage(config, checkpoint, placement, rank)
-    control.setup.send(stage.load_model(), 0)
-    shape = control.setup.recv(0, "the KV cache shape")
-    if not (isinstance(shape, tuple) and tuple(map(type, shape)) == (int, int)):
-        raise _unexpected(0, shape, "(num_blocks, block_size)")
-    control.setup.flush()
-    stage.init_kv_cache(*shape)
-    is_last = stage.stage.is_last
-    while (microbatch := control.microbatches.recv(0, "the next micro-batch")) is not None:
-        if not isinstance(microbatch, MicroBatch):
+    return stage, RankControl(control, rank, stage.stage.is_last)
+
+
+class RankControl:
+    """``StageControl`` for ranks 1..P-1 over the control plane: micro-batches from rank 0;
+    the last rank's results (or the error that stops it) back to rank 0 on ``results``, a
+    middle rank's timing and failure on ``events``."""
+
+    def __init__(self, control: ControlPlane, rank: int, is_last: bool) -> None:
+        self.control, self.rank, self.is_last = control, rank, is_last
+
+    def send_memory(self, memory: StageMemory) -> None:
+        self.control.setup.send(memory, 0)
+
+    def recv_kv_shape(self) -> tuple[int, int]:
+        shape = self.control.setup.recv(0, "the KV cache shape")
+        if not (isinstance(shape, tuple) and tuple(map(type, shape)) == (int, int)):
+            raise _unexpected(0, shape, "(num_blocks, block_size)")
+        self.control.setup.flush()
+        return shape
+
+    def next_microbatch(self) -> MicroBatch | None:
+        microbatch = self.control.microbatches.recv(0, "the next micro-batch")
+        if not (microbatch is None or isinstance(microbatch, MicroBatch)):
             raise _unexpected(0, microbatch, "a MicroBatch or None")
-        mb_id = microbatch.microbatch_id
-        try:
-            result, event = stage.run(microbatch)
-        except Exception as e:
-            if is_last:  # rank 0 waits on the last rank: tell it what failed
-                text = f"{type(e).__name__}: {e}".encode(errors="replace").decode()
-                control.results.send(("error", rank, mb_id, text), 0)
-                control.results.flush()
-            raise
-        if is_last:
-            control.results.send(("ok", rank, mb_id, (result, event)), 0)
+        return microbatch
+
+    def report(self, microbatch: MicroBatch, result: StepResult | None, event: StageEvent) -> None:
+        if self.is_last:
+            payload = (result, event)
+            self.control.results.send(("ok", self.rank, microbatch.microbatch_id, payload), 0)
         else:  # a middle stage that raised on it sent zeros on: rank 0 retries (_isolate)
-            control.events.send((event, result.failure if result is not None else None), 0)
-    control.events.flush()
-    control.results.flush()
-    stage.shutdown()
+            failure = result.failure if result is not None else None
+            self.control.events.send((event, failure), 0)
+
+    def report_error(self, microbatch: MicroBatch, error: BaseException) -> None:
+        if self.is_last:  # rank 0 waits on the last rank: tell it what failed
+            text = f"{type(error).__name__}: {error}".encode(errors="replace").decode()
+            self.control.results.send(("error", self.rank, microbatch.microbatch_id, text), 0)
+            self.control.results.flush()
+
+    def close(self) -> None:
+        self.control.events.flush()
+        self.control.results.flush()

@@ -17,9 +17,9 @@ from sarathi_pp.events import StageEvent
 from sarathi_pp.microbatch import MicroBatch, StepResult, fill_ring
 from sarathi_pp.placement import resolve_placement
 from sarathi_pp.planner.memory import StageMemory, with_activations
-from sarathi_pp.stages.device import probe_resources, set_num_threads
-from sarathi_pp.stages.fault_injector import FaultInjector
-from sarathi_pp.stages.worker import StageSpec, StageWorker
+from sarathi_pp.stages.worker.device import probe_resources, set_num_threads
+from sarathi_pp.stages.worker.fault_injector import FaultInjector
+from sarathi_pp.stages.worker.model_runner import ModelRunner, StageSpec
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class UniprocExecutor:
         assert self.placement.num_stages == 1, "uniproc runs one stage"
         set_num_threads(self.placement.num_threads)
         stage = StageSpec.of(self.placement, 0)
-        self.worker = StageWorker(checkpoint.spec, checkpoint.path, stage, checkpoint.max_model_len)
+        self.runner = ModelRunner(checkpoint.spec, checkpoint.path, stage, checkpoint.max_model_len)
         self.config, self.checkpoint = config, checkpoint
         self.faults = FaultInjector(config.parallel.inject_fault, 0)
         self._done: deque[tuple[MicroBatch, StepResult]] = deque()
@@ -46,12 +46,12 @@ class UniprocExecutor:
             )  # fmt: skip
 
     def load_model(self) -> list[StageMemory]:
-        memory = [self.worker.memory(self.worker.load_model())]
+        memory = [self.runner.memory(self.runner.load_model())]
         c = self.checkpoint
         return with_activations(memory, self.config, c.spec, self.placement, c.max_model_len)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.worker.init_kv_cache(num_blocks, block_size)
+        self.runner.init_kv_cache(num_blocks, block_size)
         self._free_since = time.monotonic()
 
     def submit(self, microbatch: MicroBatch) -> None:
@@ -82,12 +82,12 @@ class UniprocExecutor:
 
     def shutdown(self) -> None:
         self._done.clear()
-        self.worker.release()
+        self.runner.release()
 
     def _run(self, microbatch: MicroBatch) -> StepResult:
         try:
             self.faults.before(microbatch)
-            return self.worker.execute(microbatch)
+            return self.runner.execute(microbatch)
         except Exception as e:  # noqa: BLE001 - isolate the request(s) that fail
             if len(microbatch.chunks) == 1:
                 seq_id = microbatch.chunks[0].seq_id

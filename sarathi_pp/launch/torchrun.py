@@ -2,8 +2,8 @@
 
 One rank per pipeline stage (``sarathi_pp/executors/torchrun.py`` has the protocol). Rank 0
 runs ``sarathi-pp generate`` with the torchrun executor: it hosts the scheduler and stage 0
-and writes the outputs, exactly as ``sarathi-pp generate`` does; ranks 1..P-1 each serve
-one stage until rank 0 is done.
+and writes the outputs, exactly as ``sarathi-pp generate`` does; ranks 1..P-1 each run
+one stage's loop (``PipelineStage.serve``) until rank 0 is done.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from sarathi_pp.cli.common import (
     sigterm_as_interrupt,
     user_errors,
 )
-from sarathi_pp.executors.torchrun import check_world_size, resolve_stage, serve_stage
+from sarathi_pp.executors.torchrun import check_world_size, join_as_stage, resolve_stage
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(args)
         with user_errors():  # the same model settings as rank 0's, checked the same way
             checkpoint, placement = resolve_stage(config)
-        serve_stage(config, rank, checkpoint, placement)
+        stage, control = join_as_stage(config, rank, checkpoint, placement)
+        stage.serve(control)
         return 0
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """The offline profile of one pipeline stage as a CSV file: its rows, writing and reading.
 
-Pure Python (no torch): ``sarathi-pp profile`` (``stages/profiler.py`` times the forward)
+Pure Python (no torch): ``sarathi-pp profile`` (``stages/worker/profiler.py`` times the forward)
 writes the CSV; ``sarathi-pp plan --profile`` and anyone else read it back here, and
 ``sarathi_pp/planner/profile_analysis.py`` reads the findings off the rows.
 

@@ -453,7 +453,7 @@ class Scheduler(ABC):
             targets = tuple(seq.prompt_token_ids[start + 1 : start + n + 1])
         if reaches_end:
             seq.sampling_microbatch = self._next_microbatch_id
-            if is_prefill and seq.params.keeps_tokens:  # stages/penalties.py
+            if is_prefill and seq.params.keeps_tokens:  # stages/worker/penalties.py
                 history = tuple(seq.token_ids[:start])
         return ScheduledChunk(
             seq_id=seq.seq_id,

@@ -53,7 +53,7 @@ def test_cuda_bf16_runs_and_mostly_agrees(llama_dir):
 def test_cuda_kv_cache_leaves_the_activations_and_shutdown_hands_memory_back(llama_dir):
     """On CUDA the stage's KV budget is M_G - M_S - M_A (``planner.memory.with_activations``:
     the peak activations of the largest micro-batch, which vLLM measures with a profiling
-    pass), and a shut-down engine holds no device memory (``StageWorker.release``)."""
+    pass), and a shut-down engine holds no device memory (``ModelRunner.release``)."""
     from sarathi_pp.planner.memory import kv_cache_bytes
 
     torch.cuda.empty_cache()

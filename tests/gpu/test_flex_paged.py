@@ -10,8 +10,8 @@ import torch
 from helpers import assert_greedy_match, hf_greedy
 
 from sarathi_pp import LLM, SamplingParams
-from sarathi_pp.stages import attention
-from sarathi_pp.stages.attention import ATTENTION_BACKENDS, AttentionMetadata, select_backend
+from sarathi_pp.stages.model import attention
+from sarathi_pp.stages.model.attention import ATTENTION_BACKENDS, AttentionMetadata, select_backend
 
 pytestmark = [
     pytest.mark.gpu,
@@ -84,9 +84,9 @@ def test_engine_on_flex_paged_matches_hf(monkeypatch, llama_dir):
         str(llama_dir), device="cuda", dtype="float32", block_size=16, chunk_size=64,
         max_model_len=512,
     ) as llm:  # fmt: skip
-        assert llm.engine.executor.worker.backend == "flex_paged"
+        assert llm.engine.executor.runner.backend == "flex_paged"
         outs = llm.generate(prompts, greedy, use_tqdm=False)
-        assert llm.engine.executor.worker.model.layers[0].attention.failed is None
+        assert llm.engine.executor.runner.model.layers[0].attention.failed is None
     for out, p in zip(outs, prompts):
         ref, margins = hf_greedy(llama_dir, p, 12)
         assert_greedy_match(out.outputs[0].token_ids, ref, margins)

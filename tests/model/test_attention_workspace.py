@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from sarathi_pp.stages.attention import TorchAttention, gather_blocks
+from sarathi_pp.stages.model.attention import TorchAttention, gather_blocks
 
 
 def test_workspace_gather_equals_fresh_gather():

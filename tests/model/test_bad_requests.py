@@ -123,7 +123,7 @@ def test_arrival_time_names_both_clocks(llm):
 
 def test_a_budget_past_this_machine_is_refused_at_start(llama_dir):
     from sarathi_pp.config import GiB
-    from sarathi_pp.stages.device import machine_memory_bytes
+    from sarathi_pp.stages.worker.device import machine_memory_bytes
 
     memory = machine_memory_bytes()
     if memory is None:

@@ -326,7 +326,7 @@ def test_a_failing_request_fails_alone(llm, llama_dir, monkeypatch):
     """A request whose step raises finishes with an error; the others complete exactly."""
     poison = 11
     good = prompts(2, seed=9)
-    model = llm.engine.executor.worker.model
+    model = llm.engine.executor.runner.model
     real_forward = model.forward
 
     def forward(inputs, meta, kv):
@@ -396,11 +396,11 @@ def test_online_engine_abort_frees_blocks(llama_dir):
 def test_shutdown_releases_the_weights_and_the_kv_cache(llama_dir):
     """A shut-down in-process pipeline holds no tensors: on CUDA its memory goes back to the
     device, for the next pipeline in the process or another process's stage
-    (``StageWorker.release``); using it afterwards is a clear error."""
+    (``ModelRunner.release``); using it afterwards is a clear error."""
     import weakref
 
     llm = LLM(str(llama_dir), max_model_len=128)
-    worker = llm.engine.executor.worker
+    worker = llm.engine.executor.runner
     kv = weakref.ref(worker.kv.k[0])  # one layer's K blocks
     [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     assert len(ids(out)) == 2

@@ -1,4 +1,4 @@
-"""The fused element-wise kernels (``stages/fused_cpu.py``) give the values of the torch ops
+"""The fused element-wise kernels (``stages/kernels/cpu/fused.py``) give the values of the torch ops
 they replace (``model.TorchOps``: HF's RMSNorm, residual add, rotary and SiLU * up) to float32
 rounding: one row and many (the threaded path), hidden sizes that leave SIMD tails, strided
 rows (q and k as views of a fused QKV output), and extreme SiLU inputs; a position outside the
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from sarathi_pp.model_spec import spec_from_dict
-from sarathi_pp.stages import fused_cpu
-from sarathi_pp.stages.model import CpuFusedOps, TorchOps, layer_ops
-from sarathi_pp.stages.rope import RotaryEmbedding
+from sarathi_pp.stages.kernels.cpu import fused
+from sarathi_pp.stages.model.llama import CpuFusedOps, TorchOps, layer_ops
+from sarathi_pp.stages.model.rope import RotaryEmbedding
 
 needs_fused = pytest.mark.skipif(
-    fused_cpu.load_fused() is None, reason=f"fused kernels: {fused_cpu.fused_threads()}"
+    fused.load_fused() is None, reason=f"fused kernels: {fused.fused_threads()}"
 )
 ROWS = [1, 3, 32, 300]  # 300 x 1000 elements: above the kernels' threading threshold
 CPU = torch.device("cpu")
@@ -114,12 +114,12 @@ def test_the_model_takes_the_kernels_for_float32_on_cpu_only(monkeypatch):
     assert type(layer_ops(rope, torch.bfloat16, CPU)) is TorchOps
     assert type(layer_ops(rope, torch.float32, torch.device("cuda"))) is TorchOps
     monkeypatch.setenv("SARATHI_PP_CPU_FUSED", "0")
-    fused_cpu.load_fused.cache_clear()
+    fused.load_fused.cache_clear()
     try:
         assert type(layer_ops(rope, torch.float32, CPU)) is TorchOps
-        assert fused_cpu.fused_threads() == "disabled by SARATHI_PP_CPU_FUSED=0"
+        assert fused.fused_threads() == "disabled by SARATHI_PP_CPU_FUSED=0"
     finally:
-        fused_cpu.load_fused.cache_clear()
+        fused.load_fused.cache_clear()
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no cc")
@@ -127,21 +127,21 @@ def test_the_kernels_build_where_a_compiler_is(tmp_path, monkeypatch):
     """With a C compiler the kernels build (no silent fallback to torch's ops), on torch's
     OpenMP threads where torch runs on one libgomp."""
     monkeypatch.setenv("SARATHI_PP_KERNEL_DIR", str(tmp_path))
-    fused_cpu.load_fused.cache_clear()
+    fused.load_fused.cache_clear()
     try:
-        assert fused_cpu.load_fused() is not None, fused_cpu.fused_threads()
+        assert fused.load_fused() is not None, fused.fused_threads()
         assert list(tmp_path.glob("fused_cpu-*.so"))
     finally:
-        fused_cpu.load_fused.cache_clear()
+        fused.load_fused.cache_clear()
 
 
 def test_without_a_compiler_the_model_keeps_torch_ops(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SARATHI_PP_KERNEL_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    fused_cpu.load_fused.cache_clear()
+    fused.load_fused.cache_clear()
     try:
-        assert fused_cpu.load_fused() is None
+        assert fused.load_fused() is None
         assert "using torch ops" in caplog.text
         assert type(layer_ops(rope_for(64), torch.float32, CPU)) is TorchOps
     finally:
-        fused_cpu.load_fused.cache_clear()
+        fused.load_fused.cache_clear()

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sarathi_pp.stages.fused_cpu import load_fused
-from sarathi_pp.stages.linear import choose_kind
-from sarathi_pp.stages.paged_cpu import load_kernel, load_prefill
+from sarathi_pp.stages.kernels.cpu.fused import load_fused
+from sarathi_pp.stages.kernels.cpu.paged_attention import load_kernel, load_prefill
+from sarathi_pp.stages.model.linear import choose_kind
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sarathi_pp.stages import host_pages, kv_cache
-from sarathi_pp.stages.kv_cache import KVCache
+from sarathi_pp.stages.model import host_pages, kv_cache
+from sarathi_pp.stages.model.kv_cache import KVCache
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -158,7 +158,7 @@ def test_prefault_through_the_engine_maps_the_cache_and_changes_no_output(llama_
             str(llama_dir), max_model_len=128, num_kv_blocks=20000, prefault_kv_cache=prefault
         )
         try:
-            kv = llm.engine.executor.worker.kv
+            kv = llm.engine.executor.runner.kv
             assert (mapped_mib(kv.k[0]) > 0.99 * kv.k[0].numel() * 4 / 2**20) == prefault
             outs[prefault] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         finally:
@@ -176,7 +176,7 @@ needs_thp = pytest.mark.skipif(
 def test_packed_weights_start_on_a_huge_page_and_stay_exact():
     """``Linear``'s packed panel weight (``host_pages.empty_huge``): on a 2 MB boundary,
     eligible for huge pages, the same values."""
-    from sarathi_pp.stages.linear import Linear, panel_gemm_applies
+    from sarathi_pp.stages.model.linear import Linear, panel_gemm_applies
 
     w = torch.randn(1024, 1536)  # 6 MiB
     if not panel_gemm_applies(w):

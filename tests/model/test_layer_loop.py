@@ -1,4 +1,4 @@
-"""The layer loop (``stages/layers_cpu.py``: a stage's layers as one C call) gives the per-op
+"""The layer loop (``stages/model/layer_loop.py``: a stage's layers as one C call) gives the per-op
 path's hidden states and KV cache bit for bit: prefill chunks (first and later, two in one
 micro-batch), decode rows of mixed context lengths over shuffled block tables, and hybrids of
 both; GQA with head_dim 16 (the decode kernel's AVX2 loop) and 64 (its AVX-512 path where the
@@ -16,17 +16,19 @@ from transformers import LlamaConfig
 
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
 from sarathi_pp.model_spec import load_model_spec
-from sarathi_pp.stages import layers_cpu, linear
-from sarathi_pp.stages.attention import CpuPagedAttention, TorchAttention
-from sarathi_pp.stages.builtin import BYTE_VOCAB_SIZE, build_model_dir
-from sarathi_pp.stages.kv_cache import KVCache
-from sarathi_pp.stages.metadata import build_metadata
-from sarathi_pp.stages.model import StageModel
-from sarathi_pp.stages.paged_cpu import load_kernel, load_prefill
+from sarathi_pp.stages.kernels.cpu import layer_loop as kernel_layer_loop
+from sarathi_pp.stages.kernels.cpu import panel_gemm
+from sarathi_pp.stages.kernels.cpu.paged_attention import load_kernel, load_prefill
+from sarathi_pp.stages.loader.builtin import BYTE_VOCAB_SIZE, build_model_dir
+from sarathi_pp.stages.model import layer_loop, linear
+from sarathi_pp.stages.model.attention import CpuPagedAttention, TorchAttention
+from sarathi_pp.stages.model.kv_cache import KVCache
+from sarathi_pp.stages.model.llama import StageModel
+from sarathi_pp.stages.worker.metadata import build_metadata
 
 needs_loop = pytest.mark.skipif(
-    layers_cpu.load_loop() is None
-    or linear.load_gemm() is None
+    kernel_layer_loop.load_loop() is None
+    or panel_gemm.load_gemm() is None
     or load_kernel() is None
     or load_prefill() is None,
     reason="the layer loop needs its C kernels (a compiler; AVX2 + FMA)",
@@ -159,10 +161,10 @@ def test_the_loop_runs_where_its_kernels_do(tiny_model, packed, monkeypatch):
     model, kv = stage(model_dir)
     other = KVCache(model.num_layers, 8, BLOCK, 2, 16, torch.float64, CPU)
     assert model.layer_loop(other) is None
-    monkeypatch.setenv(layers_cpu.SWITCH, "0")
+    monkeypatch.setenv(layer_loop.SWITCH, "0")
     model, kv = stage(model_dir)
     assert model.layer_loop(kv) is None
-    monkeypatch.delenv(layers_cpu.SWITCH)
+    monkeypatch.delenv(layer_loop.SWITCH)
     monkeypatch.setattr(linear, "MIN_PACKED_ELEMENTS", 1 << 30)  # F.linear weights
     model, kv = stage(model_dir)
     assert model.layer_loop(kv) is None

@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sarathi_pp.stages import cpu_kernels
-from sarathi_pp.stages.linear import Linear, available_kinds, choose_kind, load_gemm
+from sarathi_pp.stages.kernels.cpu import build as cpu_kernels
+from sarathi_pp.stages.kernels.cpu.panel_gemm import load_gemm
+from sarathi_pp.stages.model.linear import Linear, available_kinds, choose_kind
 
 AVAILABLE = available_kinds()
 # ``panel_gemm`` has two micro-kernels, chosen when it is built (``-march=native``). On an

@@ -1,4 +1,4 @@
-"""The last stage's lm_head (Note [packed lm_head] in ``sarathi_pp.stages.model``): packed
+"""The last stage's lm_head (Note [packed lm_head] in ``sarathi_pp.stages.model.llama``): packed
 where the stage does not also embed tokens with it, its logits equal ``F.linear``'s over the
 checkpoint's weight, and the stage's M_S equals what the planner counts from the config."""
 
@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from sarathi_pp.model_spec import load_model_spec
 from sarathi_pp.placement.partition import partition_layers
 from sarathi_pp.planner.memory import spec_stage_memory
-from sarathi_pp.stages import linear
-from sarathi_pp.stages.model import StageModel
-from sarathi_pp.stages.weights import EMBED, LM_HEAD, load_tensors
+from sarathi_pp.stages.loader.weights import EMBED, LM_HEAD, load_tensors
+from sarathi_pp.stages.model import linear
+from sarathi_pp.stages.model.llama import StageModel
 
 
 def _last_stage(model_dir, spec, num_stages: int) -> StageModel:

@@ -16,13 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
-from sarathi_pp.stages import cpu_kernels, paged_cpu
-from sarathi_pp.stages.attention import ATTENTION_BACKENDS, select_backend
-from sarathi_pp.stages.flex_paged import flex_paged_decode
-from sarathi_pp.stages.metadata import build_metadata
+from sarathi_pp.stages.kernels.cpu import build as cpu_kernels
+from sarathi_pp.stages.kernels.cpu import paged_attention
+from sarathi_pp.stages.model.attention import ATTENTION_BACKENDS, select_backend
+from sarathi_pp.stages.model.flex_paged import flex_paged_decode
+from sarathi_pp.stages.worker.metadata import build_metadata
 
 needs_kernel = pytest.mark.skipif(
-    paged_cpu.load_kernel() is None, reason="no C compiler: the CPU paged kernel cannot build"
+    paged_attention.load_kernel() is None, reason="no C compiler: the CPU paged kernel cannot build"
 )
 
 
@@ -81,7 +82,7 @@ def kernel_builds(native, build) -> dict[str, object]:
 
 
 # the decode kernel's AVX-512 path takes head_dim a multiple of 64, the AVX2 loop the rest
-DECODE_KERNELS = kernel_builds(paged_cpu.load_kernel(), paged_cpu.build_decode)
+DECODE_KERNELS = kernel_builds(paged_attention.load_kernel(), paged_attention.build_decode)
 each_decode_kernel = pytest.mark.parametrize("kernel", sorted(DECODE_KERNELS) or ["none"])
 
 
@@ -110,7 +111,7 @@ def test_paged_decode_equals_sdpa(kernel, block_size, heads, kv_heads, head_dim)
     lens = [1, 17, 300, block_size, block_size + 1, 513]  # mixed, partial last blocks
     q, k_cache, v_cache, tables = paged_case(lens, block_size, heads, kv_heads, head_dim)
     lens_t = torch.tensor(lens)
-    out = paged_cpu.paged_decode(
+    out = paged_attention.paged_decode(
         q, k_cache, v_cache, tables, lens_t, block_size, head_dim**-0.5, DECODE_KERNELS[kernel]
     )
     ref = reference(q, k_cache, v_cache, tables, lens, block_size)
@@ -121,7 +122,7 @@ def test_paged_decode_equals_sdpa(kernel, block_size, heads, kv_heads, head_dim)
 def test_paged_decode_one_thread_and_many_agree():
     lens = [5, 900, 2, 1200, 700]  # 2.9 M multiply-adds: enough to split over threads
     q, k_cache, v_cache, tables = paged_case(lens, 16, 8, 2, 64)
-    run = lambda: paged_cpu.paged_decode(  # noqa: E731
+    run = lambda: paged_attention.paged_decode(  # noqa: E731
         q, k_cache, v_cache, tables, torch.tensor(lens), 16, 0.125
     )
     with torch_threads(1):
@@ -143,7 +144,7 @@ def test_fewer_sequences_than_threads_split_their_blocks(kernel, block_size, len
     no block included (a 2-token sequence split in 2)."""
     q, k_cache, v_cache, tables = paged_case(lens, block_size, 16, 4, 64)
     with torch_threads(4):
-        out = paged_cpu.paged_decode(
+        out = paged_attention.paged_decode(
             q, k_cache, v_cache, tables, torch.tensor(lens), block_size, 0.125,
             DECODE_KERNELS[kernel],
         )  # fmt: skip
@@ -151,7 +152,7 @@ def test_fewer_sequences_than_threads_split_their_blocks(kernel, block_size, len
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
 
 
-PREFILL_KERNELS = kernel_builds(paged_cpu.load_prefill(), paged_cpu.build_prefill)
+PREFILL_KERNELS = kernel_builds(paged_attention.load_prefill(), paged_attention.build_prefill)
 needs_prefill_kernel = pytest.mark.skipif(
     not PREFILL_KERNELS,
     reason="the prefill kernel needs AVX-512 or AVX2 + FMA and a C compiler (this CPU's "
@@ -196,7 +197,7 @@ def test_paged_prefill_equals_sdpa(kernel, block_size, heads, kv_heads, head_dim
     (1, 5)."""
     q, k_cache, v_cache, blocks = prefill_case(start, n, block_size, heads, kv_heads, head_dim)
     fn = PREFILL_KERNELS[kernel]
-    out = paged_cpu.paged_prefill(
+    out = paged_attention.paged_prefill(
         q, k_cache, v_cache, blocks, start, block_size, head_dim**-0.5, kernel=fn
     )
     assert_as_exact_as_sdpa(out, q, k_cache, v_cache, blocks, start, block_size)
@@ -229,9 +230,11 @@ def test_paged_prefill_reads_strided_rows_and_threads_agree(kernel):
     assert strided.stride(0) == heads * d + 96
     fn = PREFILL_KERNELS[kernel]
     with torch_threads(1):
-        one = paged_cpu.paged_prefill(strided, k_cache, v_cache, blocks, start, 16, 0.125, fn)
+        one = paged_attention.paged_prefill(strided, k_cache, v_cache, blocks, start, 16, 0.125, fn)
     with torch_threads(3):
-        many = paged_cpu.paged_prefill(strided, k_cache, v_cache, blocks, start, 16, 0.125, fn)
+        many = paged_attention.paged_prefill(
+            strided, k_cache, v_cache, blocks, start, 16, 0.125, fn
+        )
     assert torch.equal(one, many)
     assert_as_exact_as_sdpa(one, q, k_cache, v_cache, blocks, start, 16)
 
@@ -246,7 +249,7 @@ torch_libgomp = cpu_kernels.loaded_libgomp()
 def test_kernel_runs_on_torchs_openmp_threads():
     """Where torch runs on libgomp the kernel is its OpenMP build, linked to the libgomp
     torch loaded: no second runtime (whose threads would compete with torch's)."""
-    assert paged_cpu.kernel_threads().startswith("openmp")
+    assert paged_attention.kernel_threads().startswith("openmp")
     assert cpu_kernels.loaded_libgomp() == torch_libgomp
 
 
@@ -254,24 +257,26 @@ def test_pthreads_build_equals_sdpa(monkeypatch, tmp_path):
     """The build for processes whose OpenMP runtime is not libgomp: its own threads."""
     monkeypatch.setenv("SARATHI_PP_KERNEL_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_kernels, "loaded_libgomp", lambda: [])
-    paged_cpu.load_kernel.cache_clear()
+    paged_attention.load_kernel.cache_clear()
     try:
-        if paged_cpu.load_kernel() is None:
+        if paged_attention.load_kernel() is None:
             pytest.skip("no C compiler: the CPU paged kernel cannot build")
-        assert paged_cpu.kernel_threads() == "pthreads"
+        assert paged_attention.kernel_threads() == "pthreads"
         lens = [900, 1200, 33, 700]
         q, k_cache, v_cache, tables = paged_case(lens, 16, 8, 2, 64)
         with torch_threads(2):
-            out = paged_cpu.paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens), 16, 0.125)
+            out = paged_attention.paged_decode(
+                q, k_cache, v_cache, tables, torch.tensor(lens), 16, 0.125
+            )
         ref = reference(q, k_cache, v_cache, tables, lens, 16)
         torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
-        if paged_cpu.load_prefill() is not None:  # the prefill kernel of the same library
+        if paged_attention.load_prefill() is not None:  # the prefill kernel of the same library
             q, k_cache, v_cache, blocks = prefill_case(500, 300, 16, 8, 2, 64)
             with torch_threads(2):
-                out = paged_cpu.paged_prefill(q, k_cache, v_cache, blocks, 500, 16, 0.125)
+                out = paged_attention.paged_prefill(q, k_cache, v_cache, blocks, 500, 16, 0.125)
             assert_as_exact_as_sdpa(out, q, k_cache, v_cache, blocks, 500, 16)
     finally:
-        paged_cpu.load_kernel.cache_clear()
+        paged_attention.load_kernel.cache_clear()
 
 
 def hybrid_microbatch(block_size: int) -> tuple[MicroBatch, int]:
@@ -313,16 +318,16 @@ def test_cpu_paged_backend_equals_torch_backend(block_size):
 def test_without_the_kernel_cpu_falls_back_to_torch(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("SARATHI_PP_KERNEL_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    paged_cpu.load_kernel.cache_clear()
+    paged_attention.load_kernel.cache_clear()
     try:
-        assert paged_cpu.load_kernel() is None
+        assert paged_attention.load_kernel() is None
         assert "using gather + SDPA" in caplog.text
         assert select_backend(torch.device("cpu"), 16, torch.float32) == "torch"
         monkeypatch.setenv("SARATHI_PP_CPU_KERNEL", "0")
-        paged_cpu.load_kernel.cache_clear()
-        assert paged_cpu.load_kernel() is None
+        paged_attention.load_kernel.cache_clear()
+        assert paged_attention.load_kernel() is None
     finally:
-        paged_cpu.load_kernel.cache_clear()
+        paged_attention.load_kernel.cache_clear()
     assert not list(tmp_path.iterdir())  # nothing half-built left behind
 
 
@@ -346,7 +351,7 @@ def test_flex_paged_decode_eager_equals_sdpa(block_size):
 
 
 def test_select_backend_on_cuda_without_flash_attn(monkeypatch):
-    from sarathi_pp.stages import attention
+    from sarathi_pp.stages.model import attention
 
     monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
     cuda = torch.device("cuda")
@@ -361,7 +366,7 @@ def test_select_backend_on_cuda_without_flash_attn(monkeypatch):
 def test_flex_failure_falls_back_to_gather(monkeypatch):
     """A FlexAttention failure (e.g. a compiler error on some GPU) is logged once and the
     backend answers with gather + SDPA from then on, with the same values."""
-    from sarathi_pp.stages import attention
+    from sarathi_pp.stages.model import attention
 
     def broken(*args, **kwargs):
         raise RuntimeError("no Triton here")

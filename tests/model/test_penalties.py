@@ -1,4 +1,4 @@
-"""Presence, frequency and repetition penalties (``stages/penalties.py``).
+"""Presence, frequency and repetition penalties (``stages/worker/penalties.py``).
 
 The repetition penalty is Hugging Face's: greedy tokens with ``repetition_penalty`` equal
 HF's ``generate(repetition_penalty=...)`` for every scheduler and chunk size, through
@@ -17,7 +17,7 @@ from test_vs_hf import make_prompts, preempting_run
 
 from sarathi_pp import LLM, SamplingParams
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
-from sarathi_pp.stages.penalties import PenaltyState, apply_penalties
+from sarathi_pp.stages.worker.penalties import PenaltyState, apply_penalties
 
 KW = dict(max_model_len=256, dtype="float32")
 MAX_TOKENS = 12
@@ -69,7 +69,7 @@ def test_repetition_penalty_matches_hf(llama_dir, scheduler, chunk_size):
             prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
             use_tqdm=False,
         )  # fmt: skip
-        assert llm.engine.executor.worker.penalties.tokens == {}  # all released
+        assert llm.engine.executor.runner.penalties.tokens == {}  # all released
     for prompt, out in zip(prompts, outs):
         ref, margins = hf_penalized_greedy(llama_dir, prompt, MAX_TOKENS, rep=1.7)
         assert_greedy_match(out.outputs[0].token_ids, ref, margins)

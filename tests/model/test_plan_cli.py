@@ -18,7 +18,7 @@ from sarathi_pp.cli import main
 from sarathi_pp.model_spec import load_model_spec
 from sarathi_pp.placement.partition import partition_layers
 from sarathi_pp.planner.memory import spec_stage_memory
-from sarathi_pp.stages.model import StageModel
+from sarathi_pp.stages.model.llama import StageModel
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MAX_LEN = 128

@@ -17,8 +17,8 @@ import pytest
 from helpers import assert_greedy_match, hf_greedy
 
 from sarathi_pp import LLM, SamplingParams
-from sarathi_pp.stages.builtin import BUILTIN_MODELS, resolve_builtin
-from sarathi_pp.stages.gguf_import import PackagedGguf
+from sarathi_pp.stages.loader.builtin import BUILTIN_MODELS, resolve_builtin
+from sarathi_pp.stages.loader.gguf import PackagedGguf
 
 SOURCE = BUILTIN_MODELS["smollm2-135m"].source  # type: ignore[union-attr]
 PIP = SOURCE.pip_command

@@ -15,7 +15,7 @@ from helpers import _hf_model, assert_greedy_match, hf_processed_greedy
 from test_vs_hf import make_prompts, preempting_run
 
 from sarathi_pp import LLM, SamplingParams
-from sarathi_pp.stages.sampler import processed_logits
+from sarathi_pp.stages.worker.sampler import processed_logits
 
 KW = dict(max_model_len=256, dtype="float32")
 MAX_TOKENS = 12
@@ -80,7 +80,7 @@ def test_allowed_and_bad_words_match_the_reference(llama_dir, scheduler, chunk_s
         ]
         runs = [llm.generate(prompts, params, use_tqdm=False) for params in ruled]
         llm.generate(prompts[:1], SamplingParams(**GREEDY), use_tqdm=False)  # carries the last
-        assert llm.engine.executor.worker.penalties.tokens == {}  # every history released
+        assert llm.engine.executor.runner.penalties.tokens == {}  # every history released
     for params, outs in zip(ruled, runs):
         assert [o.outputs[0].token_ids for o in outs] != [o.outputs[0].token_ids for o in plain]
         for prompt, out in zip(prompts, outs):

@@ -129,23 +129,23 @@ def test_outputs_vary(llama_dir):
 def test_torch_ops_without_the_cpu_kernels_match_hf(llama_dir, monkeypatch):
     """The portable path (every CPU kernel off: torch's element-wise ops, F.linear, gather +
     SDPA; what bf16 and non-x86 CPUs run) stays exact too."""
-    from sarathi_pp.stages import fused_cpu, paged_cpu
+    from sarathi_pp.stages.kernels.cpu import fused, paged_attention
 
     for switch in ("SARATHI_PP_CPU_FUSED", "SARATHI_PP_CPU_GEMM", "SARATHI_PP_ONEDNN_LINEAR"):
         monkeypatch.setenv(switch, "0")
     monkeypatch.setenv("SARATHI_PP_CPU_KERNEL", "0")
-    fused_cpu.load_fused.cache_clear()
-    paged_cpu.load_kernel.cache_clear()
+    fused.load_fused.cache_clear()
+    paged_attention.load_kernel.cache_clear()
     try:
         prompts = make_prompts(seed=3)
         llm, outs = run(llama_dir, prompts, scheduler="sarathi", chunk_size=16)
-        model = llm.engine.executor.worker.model
-        assert model.ops.name == "torch" and llm.engine.executor.worker.backend == "torch"
+        model = llm.engine.executor.runner.model
+        assert model.ops.name == "torch" and llm.engine.executor.runner.backend == "torch"
         assert {lin.kind for lyr in model.layers for lin in (lyr.qkv, lyr.gate_up)} == {"f_linear"}
         check_against_hf(llama_dir, outs, prompts)
     finally:
-        fused_cpu.load_fused.cache_clear()
-        paged_cpu.load_kernel.cache_clear()
+        fused.load_fused.cache_clear()
+        paged_attention.load_kernel.cache_clear()
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])
@@ -155,19 +155,20 @@ def test_packed_weights_and_lm_head_match_hf(tiny_model, variant, monkeypatch):
     take, and stay exact (with the panel kernel the layers run as the layer loop). Tied
     embeddings on one stage keep the lm_head unpacked (it is the embedding the stage looks
     tokens up in)."""
-    from sarathi_pp.stages import layers_cpu, linear
+    from sarathi_pp.stages.kernels.cpu import layer_loop as kernel_layer_loop
+    from sarathi_pp.stages.model import linear
 
     monkeypatch.setattr(linear, "MIN_PACKED_ELEMENTS", 1)
     model_dir = tiny_model(variant)
     prompts = make_prompts(seed=4)
     llm, outs = run(model_dir, prompts, scheduler="sarathi", chunk_size=16)
-    model = llm.engine.executor.worker.model
+    model = llm.engine.executor.runner.model
     kinds = {lin.kind for lyr in model.layers for lin in (lyr.qkv, lyr.o, lyr.gate_up, lyr.down)}
     if linear.available_kinds() != ["f_linear"]:  # oneDNN or the panel kernel here
         assert "f_linear" not in kinds
-    if kinds == {"panel_gemm"} and layers_cpu.load_loop() is not None:
+    if kinds == {"panel_gemm"} and kernel_layer_loop.load_loop() is not None:
         # the layers ran as one C call (``layers_cpu``), with the kernels below it
-        assert model.layer_loop(llm.engine.executor.worker.kv) is not None
+        assert model.layer_loop(llm.engine.executor.runner.kv) is not None
     if variant == "qwen2":  # tied
         assert model.lm_head.kind == "f_linear" and model.lm_head.weight is model.embed
     else:

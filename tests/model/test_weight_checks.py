@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from sarathi_pp import LLM
 from sarathi_pp.model_spec import load_model_spec
-from sarathi_pp.stages.weights import expected_shape, load_tensors, stage_tensor_names
+from sarathi_pp.stages.loader.weights import expected_shape, load_tensors, stage_tensor_names
 
 INDEX = "model.safetensors.index.json"
 

@@ -14,8 +14,8 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from sarathi_pp.stages import builtin
-from sarathi_pp.stages.builtin import (
+from sarathi_pp.stages.loader import builtin
+from sarathi_pp.stages.loader.builtin import (
     BOS_TOKEN_ID,
     BYTE_VOCAB_SIZE,
     EOS_TOKEN_ID,

@@ -10,7 +10,7 @@ import pytest
 from sarathi_pp.config import GiB, make_config
 from sarathi_pp.model_spec import ModelSpec
 from sarathi_pp.placement import Resources, resolve_placement
-from sarathi_pp.stages.device import machine_memory_bytes
+from sarathi_pp.stages.worker.device import machine_memory_bytes
 
 SPEC = ModelSpec(
     architecture="LlamaForCausalLM", vocab_size=259, hidden_size=64, intermediate_size=128,
@@ -95,7 +95,7 @@ def test_this_machine_has_room_for_the_tests_largest_pipeline():
 
 
 def test_a_device_without_the_memory_asked_is_named_with_the_figures():
-    from sarathi_pp.stages.device import free_memory_error
+    from sarathi_pp.stages.worker.device import free_memory_error
 
     what = "stage 1's KV cache (100 blocks of 16 tokens)"
     assert free_memory_error(10 * GiB, 80 * GiB, 10 * GiB, what, "cuda:1") is None

@@ -8,7 +8,7 @@ import math
 import torch
 
 from sarathi_pp.sampling_params import SamplingParams
-from sarathi_pp.stages.sampler import INVALID_TOKEN, logprobs, processed_logits, sample
+from sarathi_pp.stages.worker.sampler import INVALID_TOKEN, logprobs, processed_logits, sample
 
 # Probabilities 0.4, 0.3, 0.15, 0.1, 0.05 for tokens 0..4.
 PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])

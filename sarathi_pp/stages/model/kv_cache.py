@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from sarathi_pp.stages import host_pages
+from sarathi_pp.stages.model import host_pages
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Time one pipeline stage's forward on the machine at hand (``sarathi-pp profile``).
 
 The stage is built as the engine builds it (the placement's layer partition, device, dtype,
-CPU threads and KV block size) as a lone ``StageWorker``, and each configuration of the
-grid is timed through ``StageWorker.execute`` on a hand-made micro-batch: the exact path of a run
+CPU threads and KV block size) as a lone ``ModelRunner``, and each configuration of the
+grid is timed through ``ModelRunner.execute`` on a hand-made micro-batch: the exact path of a run
 (micro-batch -> metadata -> layers -> sampler on the last stage), as ``benchmarks/piggyback.py``
 times it. A stage after the first gets random hidden states in place of its predecessor's.
 
@@ -31,7 +31,7 @@ from sarathi_pp.placement import Placement
 from sarathi_pp.placement.partition import partition_layers, stage_costs
 from sarathi_pp.planner.profile_analysis import GridPoint, ProfileRow
 from sarathi_pp.sampling_params import SamplingParams
-from sarathi_pp.stages.worker import StageSpec, StageWorker
+from sarathi_pp.stages.worker.model_runner import ModelRunner, StageSpec
 
 # Decodes sample every step (one lm_head row each on the last stage), as in a run. A
 # prefill chunk samples only once per prompt, on its last chunk: left out of every row, so
@@ -86,16 +86,16 @@ class StageProfiler:
             torch.set_num_threads(setup.threads)
         self.setup = setup
         self.spec = spec
-        self.worker = StageWorker(spec, model_dir, setup.stage, max_model_len)
-        self.worker.load_model()
-        self.worker.init_kv_cache(max(self._blocks(pt) for pt in points), setup.block_size)
-        generator = torch.Generator(self.worker.device).manual_seed(seed)
-        for cache in (*self.worker.kv.k, *self.worker.kv.v):
+        self.runner = ModelRunner(spec, model_dir, setup.stage, max_model_len)
+        self.runner.load_model()
+        self.runner.init_kv_cache(max(self._blocks(pt) for pt in points), setup.block_size)
+        generator = torch.Generator(self.runner.device).manual_seed(seed)
+        for cache in (*self.runner.kv.k, *self.runner.kv.v):
             cache.normal_(generator=generator)  # writes every page (module docstring)
         self._rng = random.Random(seed)
         self._hidden_pool = None
         if not setup.stage.is_first:  # what the previous stage would send: any values do
-            w = self.worker
+            w = self.runner
             num_rows = max(pt.prefill_tokens + pt.decode_tokens for pt in points)
             hidden = torch.randn(num_rows, spec.hidden_size, generator=generator, device=w.device)
             self._hidden_pool = hidden.to(w.dtype)  # [rows, hidden]
@@ -137,13 +137,13 @@ class StageProfiler:
 
     def time_once(self, microbatch: MicroBatch, hidden: torch.Tensor | None) -> float:
         """Wall seconds of one forward (CUDA: synchronized; CPU work is synchronous)."""
-        is_cuda = self.worker.device.type == "cuda"
+        is_cuda = self.runner.device.type == "cuda"
         if is_cuda:
-            torch.cuda.synchronize(self.worker.device)
+            torch.cuda.synchronize(self.runner.device)
         t0 = time.perf_counter()
-        self.worker.execute(microbatch, hidden)
+        self.runner.execute(microbatch, hidden)
         if is_cuda:
-            torch.cuda.synchronize(self.worker.device)
+            torch.cuda.synchronize(self.runner.device)
         return time.perf_counter() - t0
 
     def measure(

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from sarathi_pp.placement import Resources
-from sarathi_pp.stages.attention import flash_attn_available
+from sarathi_pp.stages.model.attention import flash_attn_available
 
 
 def usable_cores() -> int:

@@ -1,8 +1,10 @@
-"""``StageWorker``: one stage's layers and KV cache, run on one micro-batch at a time.
+"""``ModelRunner`` (vLLM's name for the same part): one stage's layers and KV cache, run on
+one micro-batch at a time, and on the last stage the sampler.
 
-The same class runs in-process (one stage), inside a Ray actor, or inside a torchrun rank:
-it only needs a micro-batch and, on stages after the first, the hidden states received from
-the previous stage. ``stages/metadata.py`` turns the micro-batch into tensors.
+The same class runs in-process (one stage, ``executors/uniproc.py``) and inside a
+``PipelineStage`` (a Ray actor or a torchrun rank): it only needs a micro-batch and, on
+stages after the first, the hidden states received from the previous stage.
+``metadata.py`` turns the micro-batch into tensors.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from sarathi_pp.microbatch import MicroBatch, PromptChunkLogprobs, StepResult, T
 from sarathi_pp.model_spec import ModelSpec
 from sarathi_pp.placement import Placement
 from sarathi_pp.planner.memory import PROMPT_LOGITS_ROWS, StageMemory
-from sarathi_pp.stages.attention import ATTENTION_BACKENDS, select_backend
-from sarathi_pp.stages.device import check_free_cuda_memory
-from sarathi_pp.stages.kv_cache import KVCache
-from sarathi_pp.stages.metadata import build_metadata, sample_rows
-from sarathi_pp.stages.model import StageModel
-from sarathi_pp.stages.penalties import PenaltyState, apply_penalties
-from sarathi_pp.stages.sampler import (
+from sarathi_pp.stages.model.attention import ATTENTION_BACKENDS, select_backend
+from sarathi_pp.stages.model.kv_cache import KVCache
+from sarathi_pp.stages.model.llama import StageModel
+from sarathi_pp.stages.worker.device import check_free_cuda_memory
+from sarathi_pp.stages.worker.metadata import build_metadata, sample_rows
+from sarathi_pp.stages.worker.penalties import PenaltyState, apply_penalties
+from sarathi_pp.stages.worker.sampler import (
     INVALID_TOKEN,
     logprobs,
     processed_logits,
@@ -72,7 +74,7 @@ class StageSpec:
         return self.stage_idx == self.num_stages - 1
 
 
-class StageWorker:
+class ModelRunner:
     def __init__(
         self, spec: ModelSpec, model_dir: str | Path, stage: StageSpec, max_model_len: int
     ) -> None:
@@ -238,7 +240,7 @@ class StageWorker:
     def _penalized(
         self, logits: torch.Tensor, chunks: list, result: StepResult
     ) -> tuple[torch.Tensor, list[int], dict[int, list[int]]]:
-        """The logits to sample from (penalized where asked; ``stages/penalties.py``), the
+        """The logits to sample from (penalized where asked; ``stages/worker/penalties.py``), the
         rows whose tokens the stage keeps (``SamplingParams.keeps_tokens``) and, for those
         with bad words, their output tokens so far. A row whose tokens the stage lacks fails
         its request."""

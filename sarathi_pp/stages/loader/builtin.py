@@ -34,7 +34,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from sarathi_pp.config import BUILTIN_PREFIX
-from sarathi_pp.stages.gguf_import import PackagedGguf, check_conversion_packages, convert_gguf
+from sarathi_pp.stages.loader.gguf import PackagedGguf, check_conversion_packages, convert_gguf
 
 if TYPE_CHECKING:  # transformers is imported lazily: a cached folder needs none of it
     from transformers import PretrainedConfig, PreTrainedTokenizerFast

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
-from sarathi_pp.stages.attention import AttentionMetadata, PrefillSlice
+from sarathi_pp.stages.model.attention import AttentionMetadata, PrefillSlice
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""One pipeline stage as a process: its ``StageWorker`` plus the transport to its neighbours.
+"""One pipeline stage as a process: its ``ModelRunner`` plus the transport to its neighbours.
 
 The same class runs inside a Ray actor (``executors/ray.py``) and inside a torchrun
 rank (``executors/torchrun.py``). ``run(microbatch)`` is called for every micro-batch in the order the
@@ -15,7 +15,7 @@ import logging
 import pickle
 import socket
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -33,11 +33,35 @@ from sarathi_pp.config import ParallelConfig
 from sarathi_pp.events import StageEvent
 from sarathi_pp.microbatch import MicroBatch, StepResult, fill_ring
 from sarathi_pp.planner.memory import StageMemory
-from sarathi_pp.stages.device import set_num_threads
-from sarathi_pp.stages.fault_injector import FaultInjector
-from sarathi_pp.stages.worker import StageSpec, StageWorker
+from sarathi_pp.stages.worker.device import set_num_threads
+from sarathi_pp.stages.worker.fault_injector import FaultInjector
+from sarathi_pp.stages.worker.model_runner import ModelRunner, StageSpec
 
 logger = logging.getLogger(__name__)
+
+
+class StageControl(Protocol):
+    """What drives a stage that runs its own loop (``PipelineStage.serve``; a torchrun rank:
+    ``executors/torchrun.RankControl`` over torchrun's control plane)."""
+
+    def send_memory(self, memory: StageMemory) -> None:
+        """Hand the driver this stage's memory figures (after its weights are loaded)."""
+
+    def recv_kv_shape(self) -> tuple[int, int]:
+        """The KV cache the driver sized for this stage: ``(num_blocks, block_size)``."""
+        ...
+
+    def next_microbatch(self) -> MicroBatch | None:
+        """The next micro-batch to run; ``None``: the pipeline is shutting down."""
+
+    def report(self, microbatch: MicroBatch, result: StepResult | None, event: StageEvent) -> None:
+        """``run``'s result and timing of ``microbatch``, to the driver."""
+
+    def report_error(self, microbatch: MicroBatch, error: BaseException) -> None:
+        """``run`` raised on ``microbatch`` (the stage stops): tell the driver what failed."""
+
+    def close(self) -> None:
+        """Flush what is still being sent (the loop has ended)."""
 
 
 class PipelineStage:
@@ -49,7 +73,7 @@ class PipelineStage:
         self.stage = stage
         self.spec = checkpoint.spec
         self.faults = FaultInjector(parallel.inject_fault, stage.stage_idx)
-        self.worker = StageWorker(checkpoint.spec, checkpoint.path, stage, checkpoint.max_model_len)
+        self.runner = ModelRunner(checkpoint.spec, checkpoint.path, stage, checkpoint.max_model_len)
         self.timeout_s = parallel.stage_timeout_s
         # A stage may run this many micro-batches ahead of the next one (Note in comm/p2p).
         self.max_pending_sends = parallel.microbatches_in_flight + 1 + int(stage.token_ring)
@@ -108,10 +132,10 @@ class PipelineStage:
         )
 
     def load_model(self) -> StageMemory:
-        return self.worker.memory(self.worker.load_model())
+        return self.runner.memory(self.runner.load_model())
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.worker.init_kv_cache(num_blocks, block_size)
+        self.runner.init_kv_cache(num_blocks, block_size)
         self._free_since = time.monotonic()
 
     # --- one micro-batch -----------------------------------------------------------------------
@@ -142,7 +166,7 @@ class PipelineStage:
                 microbatch.microbatch_id,
                 microbatch.num_tokens,
                 self.spec.hidden_size,
-                self.worker.dtype,
+                self.runner.dtype,
             )
         compute_start = time.monotonic()
         out, failure = self._execute(microbatch, hidden)
@@ -159,7 +183,7 @@ class PipelineStage:
             if out is None:  # keep the next stage in step: zeros of the expected shape
                 out = torch.zeros(
                     microbatch.num_tokens, self.spec.hidden_size,
-                    dtype=self.worker.dtype, device=self.worker.device,
+                    dtype=self.runner.dtype, device=self.runner.device,
                 )  # fmt: skip
             self.transport.send(microbatch.microbatch_id, out)
         self._free_since = time.monotonic()
@@ -179,6 +203,24 @@ class PipelineStage:
             self._free_since,
         )
         return result, event
+
+    def serve(self, control: StageControl) -> None:
+        """The stage loop of a stage that drives itself (a torchrun rank): load the weights and
+        report their memory, take the KV cache shape, then ``run`` every micro-batch
+        ``control`` hands over and report it, until ``None``; then shut down. A micro-batch
+        that ``run`` cannot contain (a transport failure) is reported and re-raised: the rank
+        exits, and the stages after it fail their receive with a clear error."""
+        control.send_memory(self.load_model())
+        self.init_kv_cache(*control.recv_kv_shape())
+        while (microbatch := control.next_microbatch()) is not None:
+            try:
+                result, event = self.run(microbatch)
+            except Exception as e:
+                control.report_error(microbatch, e)
+                raise
+            control.report(microbatch, result, event)
+        control.close()
+        self.shutdown()
 
     def run_packed(self, packed: bytes) -> bytes:
         """``run`` for the Ray executor: the micro-batch arrives pickled, and the result and
@@ -224,7 +266,7 @@ class PipelineStage:
         ``None``, or ``None`` and the failure (logged; isolated by the executor's retry)."""
         try:
             self.faults.before(microbatch)
-            return self.worker.execute(microbatch, hidden), None
+            return self.runner.execute(microbatch, hidden), None
         except Exception as e:  # noqa: BLE001 - isolated by the executor's retry
             s = self.stage
             logger.exception(
@@ -254,4 +296,4 @@ class PipelineStage:
             with contextlib.suppress(Exception):
                 self.ring.flush(timeout_s=min(5.0, self.timeout_s))
         destroy_stage_group()
-        self.worker.release()
+        self.runner.release()

@@ -13,7 +13,7 @@ keys from the cache like the earlier ones.
 
 Backends, by name (``ATTENTION_BACKENDS``): ``torch`` (SDPA over gathered K/V; CPU and
 CUDA), ``cpu_paged`` (decodes, and on AVX-512 or AVX2 CPUs prefill chunks, read the paged
-cache in place with small C kernels, ``paged_cpu.py``; elsewhere prefill chunks as ``torch``),
+cache in place with small C kernels, ``kernels/cpu/paged_attention``; elsewhere prefill chunks as ``torch``),
 ``flex_paged`` (decodes the same on CUDA with FlexAttention, ``flex_paged.py``; block size a
 multiple of 16) and ``flash_attn`` (flash-attn's varlen/paged kernels; CUDA, block size a
 multiple of 256).
@@ -27,14 +27,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sarathi_pp.stages.flex_paged import flex_block_size_ok, flex_paged_decode
-from sarathi_pp.stages.paged_cpu import (
+from sarathi_pp.stages.kernels.cpu.paged_attention import (
     kernel_supports,
     load_kernel,
     load_prefill,
     paged_decode,
     paged_prefill,
 )
+from sarathi_pp.stages.model.flex_paged import flex_block_size_ok, flex_paged_decode
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +194,8 @@ def gather_blocks(
 
 class CpuPagedAttention(TorchAttention):
     """``torch``, except that attention reads K/V from the paged cache where they lie:
-    decode rows through ``paged_cpu.paged_decode`` instead of gathering every context into
-    a buffer first, and prefill chunks through ``paged_cpu.paged_prefill`` where it is built
+    decode rows through ``paged_attention.paged_decode`` instead of gathering every context into
+    a buffer first, and prefill chunks through ``paged_attention.paged_prefill`` where it is built
     (AVX-512 or AVX2 + FMA; 1.6-2.5x gather + SDPA with AVX-512, Note [paged prefill on
     CPU]), else gather + SDPA."""
 

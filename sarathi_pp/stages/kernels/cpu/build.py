@@ -1,10 +1,13 @@
-"""Build and load the stages' small C kernels for CPU (``paged_cpu``: decode attention over the
-paged cache; ``linear``: matmuls with a prepacked weight).
+"""Build and load the stages' small C kernels for CPU: ``paged_attention.c`` (attention over
+the paged cache), ``panel_gemm.c`` (matmuls with a prepacked weight), ``fused.c`` (norms,
+rotary, SiLU) and ``layer_loop.c`` (a stage's layers in one call), each with its Python
+wrapper beside it in this folder.
 
-Each kernel is one C source, compiled on first use with the system C compiler (``cc``;
-~0.5 s, ``-O3 -march=native``) into the user's cache (``~/.cache/sarathi_pp/kernels``, or
-``$SARATHI_PP_KERNEL_DIR``; keyed by source, flags and CPU) and loaded with ctypes: no torch
-headers, no build step at install time.
+Each kernel is one C file shipped as package data (with ``exp_f.h``, the headers it may
+include), compiled on first use with the system C compiler (``cc``; ~0.5 s, ``-O3
+-march=native``) into the user's cache (``~/.cache/sarathi_pp/kernels``, or
+``$SARATHI_PP_KERNEL_DIR``; keyed by the source and headers, flags and CPU) and loaded with
+ctypes: no torch headers, no build step at install time.
 
 Note [the kernels' threads]: torch's CPU ops run on an OpenMP pool (libgomp in Linux wheels)
 whose threads spin for a while after each op. Threads of our own (pthreads) then compete with
@@ -30,6 +33,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+KERNEL_DIR = Path(__file__).resolve().parent  # the .c files and the headers they include
+
 # -fno-trapping-math: without it GCC keeps a float compare-and-select (exp's clamp) as a branch,
 # and the loops around it scalar: the attention kernel's softmax exp and SiLU's exp vectorise
 # only with it (one layer of 32 x 1k decode attention 5-7% faster; SiLU * up 4x). No kernel
@@ -45,28 +50,6 @@ FLAGS = [
 ]
 OPENMP_FLAGS = ["-fopenmp"]
 
-# exp(x) for the kernels' C sources (prepended to them): Cephes' expf polynomial, ~1 ulp, and
-# unlike libm's expf it vectorises (with -fno-trapping-math: two plain selects for the clamps;
-# a nested one stays a branch). Clamped to [-87, 88], where float's exp neither overflows nor
-# goes subnormal.
-C_EXP = r"""
-#include <stdint.h>
-static inline float exp_f(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
-    float n = __builtin_rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } u = {.i = ((int32_t)n + 127) << 23};
-    return y * u.f;
-}
-"""
 OPENMP = "openmp (torch's libgomp threads)"
 
 
@@ -110,16 +93,16 @@ def loaded_libgomp() -> list[str]:
         return []
 
 
-def _compile(path: Path, source: str, flags: list[str]) -> None:
-    """Build the library at ``path`` (atomically: stage actors may build it at once)."""
+def _compile(path: Path, source: Path, flags: list[str]) -> None:
+    """Build the library at ``path`` from ``source`` (atomically: stage actors may build it
+    at once); the headers ``source`` includes are found beside it."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise KernelUnavailable("no C compiler (cc, gcc) on PATH")
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        src, lib = Path(tmp) / f"{path.stem}.c", Path(tmp) / path.name
-        src.write_text(source)
-        cmd = [compiler, *flags, str(src), "-o", str(lib), "-pthread"]
+        lib = Path(tmp) / path.name
+        cmd = [compiler, *flags, f"-I{source.parent}", str(source), "-o", str(lib), "-pthread"]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as e:
@@ -129,9 +112,20 @@ def _compile(path: Path, source: str, flags: list[str]) -> None:
         os.replace(lib, path)
 
 
-def _build_and_load(name: str, source: str, flags: list[str]) -> ctypes.CDLL:
-    key = hashlib.sha256((source + " ".join(flags) + cpu_signature()).encode()).hexdigest()
-    path = kernel_dir() / f"{name}-{key[:16]}.so"
+def source_key(source: Path) -> str:
+    """What a build of ``source`` depends on besides flags and CPU: its text and the text of
+    every header beside it (a kernel includes only those)."""
+    try:
+        texts = [source.read_text()]
+        texts += [h.read_text() for h in sorted(source.parent.glob("*.h"))]
+    except OSError as e:
+        raise KernelUnavailable(f"reading the kernel source {source}: {e}") from e
+    return "".join(texts)
+
+
+def _build_and_load(name: str, source: Path, flags: list[str]) -> ctypes.CDLL:
+    key = hashlib.sha256((source_key(source) + " ".join(flags) + cpu_signature()).encode())
+    path = kernel_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if not path.exists():
         _compile(path, source, flags)
     try:
@@ -141,11 +135,11 @@ def _build_and_load(name: str, source: str, flags: list[str]) -> ctypes.CDLL:
 
 
 def build(
-    name: str, source: str, *, need_openmp: bool = False, extra_flags: tuple[str, ...] = ()
+    name: str, source: Path, *, need_openmp: bool = False, extra_flags: tuple[str, ...] = ()
 ) -> tuple[ctypes.CDLL, str]:
-    """``source`` compiled and loaded, and how it runs its threads: ``OPENMP`` (built with
-    ``-fopenmp`` on torch's libgomp, see Note [the kernels' threads]) or ``"pthreads"`` (built
-    without OpenMP: the source's ``#ifndef _OPENMP`` path). With ``need_openmp`` there is no
+    """``source`` (a ``.c`` file of this folder) compiled and loaded, and how it runs its
+    threads: ``OPENMP`` (built with ``-fopenmp`` on torch's libgomp, see Note [the kernels'
+    threads]) or ``"pthreads"`` (built without OpenMP: the source's ``#ifndef _OPENMP`` path). With ``need_openmp`` there is no
     build without OpenMP: ``KernelUnavailable`` instead. ``extra_flags`` follow ``FLAGS``
     (e.g. ``-mno-avx512f``: a source's AVX2 path on an AVX-512 CPU). Raises
     ``KernelUnavailable`` with the reason when nothing builds."""
@@ -168,7 +162,7 @@ def build(
 
 
 def build_unless_off(
-    name: str, source: str, switch: str, what: str, instead: str
+    name: str, source: Path, switch: str, what: str, instead: str
 ) -> tuple[ctypes.CDLL | None, str]:
     """``build(name, source)`` for a kernel the model can do without: ``(library, how its
     threads run)``, or ``(None, why not)`` when the environment variable ``switch`` is ``0``

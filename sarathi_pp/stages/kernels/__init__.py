@@ -1,0 +1,1 @@
+"""Native kernels, as real source files beside their Python wrappers (``cpu/``)."""

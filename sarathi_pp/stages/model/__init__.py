@@ -1,0 +1,5 @@
+"""The model: a Llama-family decoder slice (``llama.py``) of decoder layers
+(``decoder_layer.py``) over a flat batch of rows, their linears (``linear.py``), rotary
+embeddings (``rope.py``), the attention backends (``attention.py``, ``flex_paged.py``), the
+paged KV cache (``kv_cache.py``, on huge pages: ``host_pages.py``) and the CPU layer loop
+(``layer_loop.py``)."""
