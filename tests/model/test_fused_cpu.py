@@ -1,5 +1,5 @@
 """The fused element-wise kernels (``stages/kernels/cpu/fused.py``) give the values of the torch ops
-they replace (``model.TorchOps``: HF's RMSNorm, residual add, rotary and SiLU * up) to float32
+they replace (``decoder_layer.TorchOps``: HF's RMSNorm, residual add, rotary and SiLU * up) to float32
 rounding: one row and many (the threaded path), hidden sizes that leave SIMD tails, strided
 rows (q and k as views of a fused QKV output), and extreme SiLU inputs; a position outside the
 tables is an error, not a stray read; the model takes the kernels for float32 on CPU only."""
@@ -13,7 +13,7 @@ import torch
 
 from sarathi_pp.model_spec import spec_from_dict
 from sarathi_pp.stages.kernels.cpu import fused
-from sarathi_pp.stages.model.llama import CpuFusedOps, TorchOps, layer_ops
+from sarathi_pp.stages.model.decoder_layer import CpuFusedOps, TorchOps, layer_ops
 from sarathi_pp.stages.model.rope import RotaryEmbedding
 
 needs_fused = pytest.mark.skipif(
