@@ -258,6 +258,12 @@ class TorchrunExecutor:
                 for rank in range(1, last):
                     self.control.events.recv(rank, "stage timing")
 
+    def restart(self) -> None:
+        """torchrun started the ranks and rank 0 cannot start new ones: a rank that dies is
+        a ``StageError`` (the engine dies), never a ``StageLost``, so the engine never asks
+        to replace it."""
+        raise NotImplementedError("the torchrun executor cannot replace a lost stage")
+
     def release_stages(self) -> None:
         self.shutdown()  # nothing set up for the stages outlives them here
 
