@@ -138,7 +138,8 @@ class TorchrunExecutor:
         self.control = join_pipeline(config, self.placement)
         self.stage = _make_stage(config, checkpoint, self.placement, rank=0)
         self.config, self.checkpoint = config, checkpoint
-        self._inflight: deque[tuple[MicroBatch, StepResult | None, StageEvent]] = deque()
+        # (micro-batch, stage 0's result, stage 0's timing); no timing: nothing was run
+        self._inflight: deque[tuple[MicroBatch, StepResult | None, StageEvent | None]] = deque()
         self._closed = False
 
     def load_model(self) -> list[StageMemory]:
