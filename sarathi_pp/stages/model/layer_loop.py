@@ -158,7 +158,8 @@ class LayerLoop:
             lo, hi = (int(t) for t in torch.aminmax(slots))
             if lo < 0 or hi >= self.num_slots:
                 raise IndexError(f"layer loop: a KV slot outside [0, {self.num_slots}): {lo}..{hi}")
-        keep = [positions, slots]  # every tensor the pointers below point into, alive
+        # every tensor (and ctypes array) the pointers below point into, alive
+        keep: list[object] = [positions, slots]
         n_pre = len(meta.prefills)
         batch = Batch(rows, positions.data_ptr(), slots.data_ptr(), n_pre)
         if n_pre:

@@ -160,4 +160,5 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, self.bias, "none", [], ""
             )
+        assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
