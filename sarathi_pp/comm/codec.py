@@ -91,10 +91,10 @@ def _optional(kind: Kind) -> Kind:
     return (lambda v: None if v is None else to(v)), (lambda v: None if v is None else back(v))
 
 
-def _sequence(item: type, container: type) -> Kind:
+def _sequence(item: type, container: type[Any]) -> Kind:
     """A tuple (or list) of one scalar type <-> a list."""
 
-    def check(v: Any, want: type) -> list:
+    def check(v: Any, want: type[Any]) -> list:
         if type(v) is not want:
             raise CodecError(f"expected a {want.__name__} of {item.__name__}, got {_type_name(v)}")
         if not set(map(type, v)) <= {item}:  # one C pass: fast on long block tables
@@ -169,7 +169,7 @@ def _record(cls: type) -> Kind:
     return (lambda v: _fields_to_plain(cls, v)), (lambda v: _fields_from_plain(cls, v))
 
 
-def _records(cls: type, container: type) -> Kind:
+def _records(cls: type, container: type[Any]) -> Kind:
     """A tuple (or list) of records <-> a list of their field lists."""
     item_to, item_back = _record(cls)
 

@@ -103,7 +103,7 @@ class PipelineFaults:
         # a lost micro-batch held it or not.
         self.scheduler.on_kv_lost()
         try:
-            self.executor.restart()  # type: ignore[attr-defined]  # Ray's executor
+            self.executor.restart()
         except Exception as e:
             failed = StageError(error.stage_idx, f"{error}; replacing it failed: {e}")
             self._die(failed)

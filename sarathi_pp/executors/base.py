@@ -10,10 +10,10 @@ Contract (``Executor``): ``placement`` is the resolved placement of the stages (
 placement rule on the resources the executor sees); ``load_model()`` -> per-stage memory
 figures; ``init_kv_cache``; ``submit(microbatch)`` issues a micro-batch (it may run
 asynchronously); ``wait_oldest()`` returns the oldest outstanding micro-batch with its
-``StepResult``; micro-batches complete in issue order. Ray's executor also has
-``restart()``, which replaces lost stages (``StageLost``). ``reset()`` forgets every
-micro-batch in flight (an interrupted step): their results are never returned, and the
-next ``submit`` starts afresh.
+``StepResult``; micro-batches complete in issue order. ``restart()`` replaces lost
+stages (``StageLost``): only the Ray executors lose a stage and can replace it; the others
+raise. ``reset()`` forgets every micro-batch in flight (an interrupted step): their results
+are never returned, and the next ``submit`` starts afresh.
 """
 
 from __future__ import annotations
@@ -52,6 +52,17 @@ class Executor(Protocol):
     def submit(self, microbatch: MicroBatch) -> None: ...
     def wait_oldest(self) -> tuple[MicroBatch, StepResult]: ...
     def reset(self) -> None: ...
+
+    def restart(self) -> None:
+        """Replace the stages after one was lost (``StageLost``), as the engine's recovery
+        does (``PipelineFaults._recover``, at most ``parallel.max_stage_restarts`` times):
+        every stage is started afresh with its weights loaded and a KV cache of the shape
+        ``init_kv_cache`` gave, empty; the micro-batches in flight are gone (the engine has
+        abandoned them and recomputes every running sequence). An executor that never
+        raises ``StageLost`` cannot replace a stage and raises instead; the engine then
+        dies, saying why."""
+        ...
+
     def release_stages(self) -> None: ...  # the pipeline is lost for good: free the stages
     def shutdown(self) -> None: ...
 

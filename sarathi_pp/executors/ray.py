@@ -38,6 +38,9 @@ import os
 import pickle
 import time
 from collections import deque
+from collections.abc import Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.comm.p2p import StageCommError
@@ -63,6 +66,11 @@ from sarathi_pp.planner.memory import StageMemory, with_activations
 from sarathi_pp.stages.worker.device import probe_resources
 from sarathi_pp.stages.worker.model_runner import StageSpec
 
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+
+    from sarathi_pp.events import StageEvent
+
 logger = logging.getLogger(__name__)
 
 SETUP_TIMEOUT_S = 120.0
@@ -78,7 +86,7 @@ LOST_PEER_GRACE_S = 10.0
 ABANDONED_WAIT_S = 2.0
 
 
-def _ray():
+def _ray() -> ModuleType:
     try:
         import ray
     except ImportError as e:  # pragma: no cover - ray is a declared dependency
@@ -112,7 +120,7 @@ LOCAL_RAY_ENV = {
 }
 
 
-def start_ray(ray=None) -> bool:
+def start_ray(ray: ModuleType | None = None) -> bool:
     """Connect to ``RAY_ADDRESS`` if set, else start a local Ray for this run (Note [a Ray
     of its own]); returns whether this process started (and so must stop) it."""
     ray = ray or _ray()
@@ -127,7 +135,7 @@ def start_ray(ray=None) -> bool:
 
 
 @contextlib.contextmanager
-def _environ_defaults(defaults: dict[str, str]):
+def _environ_defaults(defaults: dict[str, str]) -> Iterator[None]:
     """``os.environ`` with ``defaults`` where it has no value of its own, for the ``with``
     block only."""
     added = [name for name in defaults if name not in os.environ]
@@ -139,7 +147,9 @@ def _environ_defaults(defaults: dict[str, str]):
             os.environ.pop(name, None)
 
 
-def _cluster_resources(ray, device: str, num_stages: int, timeout_s: float) -> Resources:
+def _cluster_resources(
+    ray: ModuleType, device: str, num_stages: int, timeout_s: float
+) -> Resources:
     """The placement rule's view of the cluster: its GPU count, and one GPU's memory and
     bfloat16 support, probed on a GPU worker when this driver has none."""
     local = probe_resources()
@@ -166,9 +176,10 @@ class RayExecutor:
         # The sampled tokens of the last few micro-batches collected: a micro-batch
         # resubmitted after an isolation may take its decodes' input from them.
         self._collected: dict[int, dict[int, int]] = {}
-        self.actors: list = []
+        # Ray's actor handles: their methods (``.run_packed.remote``) are made at run time
+        self.actors: list[Any] = []
         self.clock_offsets: list[float] = []
-        self._pg = None
+        self._pg: PlacementGroup | None = None
         self._config, self._checkpoint = config, checkpoint  # to rebuild lost stages
         self._kv_shape = (0, 0)
         try:
@@ -198,8 +209,8 @@ class RayExecutor:
         free_cpus = float(ray.available_resources().get("CPU", 0.0))
         cpus = max(0.01, min(1.0, free_cpus / n))
         bundle = {"CPU": cpus, "GPU": 1} if device == "cuda" else {"CPU": cpus}
-        self._pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
-        ready, _ = ray.wait([self._pg.ready()], timeout=self.setup_timeout_s)
+        pg = self._pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+        ready, _ = ray.wait([pg.ready()], timeout=self.setup_timeout_s)
         if not ready:
             raise RuntimeError(
                 f"Ray could not place {n} stage actors ({bundle} each) within "
@@ -207,7 +218,7 @@ class RayExecutor:
             )
         actor_cls = ray.remote(PipelineStage)
         for i in range(n):
-            strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
             self.actors.append(
                 actor_cls.options(
                     num_cpus=cpus,
@@ -238,17 +249,16 @@ class RayExecutor:
             return False
         return len(nodes) == 1
 
-    def _clock_offset(self, actor) -> float:
+    def _clock_offset(self, actor: Any) -> float:
         """The actor's monotonic clock minus the driver's, from the tightest of a few
         round trips; 0 when it is within the round-trip noise (the same machine)."""
-        best = None
+        trips: list[tuple[float, float]] = []  # (round trip, offset)
         for _ in range(5):
             t0 = time.monotonic()
             remote = self._get([actor.clock.remote()], "clock")[0]
             t1 = time.monotonic()
-            if best is None or t1 - t0 < best[0]:
-                best = (t1 - t0, remote - (t0 + t1) / 2)
-        rtt, offset = best
+            trips.append((t1 - t0, remote - (t0 + t1) / 2))
+        rtt, offset = min(trips, key=lambda trip: trip[0])
         return 0.0 if abs(offset) <= rtt else offset
 
     def _get(self, refs: list, what: str) -> list:
@@ -427,7 +437,9 @@ class RayExecutor:
                     )
         return None
 
-    def _get_one(self, stage_idx: int, ref, microbatch: MicroBatch):
+    def _get_one(
+        self, stage_idx: int, ref: Any, microbatch: MicroBatch
+    ) -> tuple[StepResult | None, StageEvent]:
         """A stage's ``(StepResult | None, StageEvent)`` for ``microbatch``."""
         from ray.exceptions import RayActorError, RayTaskError
 

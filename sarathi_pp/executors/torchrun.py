@@ -138,7 +138,8 @@ class TorchrunExecutor:
         self.control = join_pipeline(config, self.placement)
         self.stage = _make_stage(config, checkpoint, self.placement, rank=0)
         self.config, self.checkpoint = config, checkpoint
-        self._inflight: deque[tuple[MicroBatch, StepResult | None, StageEvent]] = deque()
+        # (micro-batch, stage 0's result, stage 0's timing); no timing: nothing was run
+        self._inflight: deque[tuple[MicroBatch, StepResult | None, StageEvent | None]] = deque()
         self._closed = False
 
     def load_model(self) -> list[StageMemory]:
@@ -257,6 +258,12 @@ class TorchrunExecutor:
                 self.control.results.recv(last, "an abandoned micro-batch's tokens")
                 for rank in range(1, last):
                     self.control.events.recv(rank, "stage timing")
+
+    def restart(self) -> None:
+        """torchrun started the ranks and rank 0 cannot start new ones: a rank that dies is
+        a ``StageError`` (the engine dies), never a ``StageLost``, so the engine never asks
+        to replace it."""
+        raise NotImplementedError("the torchrun executor cannot replace a lost stage")
 
     def release_stages(self) -> None:
         self.shutdown()  # nothing set up for the stages outlives them here

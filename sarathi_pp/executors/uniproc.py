@@ -77,6 +77,11 @@ class UniprocExecutor:
         self._done.clear()
         self._free_since = time.monotonic()
 
+    def restart(self) -> None:
+        """The stage is this process: it is never lost (no ``StageLost``), so the engine
+        never asks to replace it, and nothing here could."""
+        raise NotImplementedError("the uniproc executor cannot replace a lost stage")
+
     def release_stages(self) -> None:
         self.shutdown()  # nothing set up for the stages outlives them here
 

@@ -133,6 +133,12 @@ class SimExecutor:
         self._ring_ready.clear()
         self._free = [self.clock.now()] * self.num_stages
 
+    def restart(self) -> None:
+        """Simulated stages never fail (no ``StageLost``), so the engine never asks to
+        replace them. Raising rather than doing nothing: a no-op would have the engine
+        carry on as if stages had been replaced, with no outage on the clock."""
+        raise NotImplementedError("the simulated executor cannot replace a lost stage")
+
     def release_stages(self) -> None:
         self.shutdown()  # nothing set up for the stages outlives them here
 

@@ -168,6 +168,7 @@ class TorchAttention:
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         qd = q.unsqueeze(2)  # [num_decodes, heads, 1, head_dim]
         bt = meta.decode_blocks
+        assert bt is not None  # decode rows have block tables
         # [num_decodes, kv_heads, max_blocks * block_size, head_dim]
         kd = self._gather("k", k_cache, bt, meta.block_size).transpose(1, 2)
         vd = self._gather("v", v_cache, bt, meta.block_size).transpose(1, 2)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -52,6 +52,9 @@ from sarathi_pp.stages.model.attention import AttentionMetadata, CpuPagedAttenti
 from sarathi_pp.stages.model.decoder_layer import DecoderLayer, TorchOps
 from sarathi_pp.stages.model.kv_cache import KVCache
 from sarathi_pp.stages.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
 
 SWITCH = "SARATHI_PP_CPU_LAYER_LOOP"
 P = ctypes.c_void_p
@@ -81,7 +84,7 @@ class LayerLoop:
         spec: ModelSpec,
         rope: RotaryEmbedding,
         kv: KVCache,
-        fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
+        fn: CFuncPtr,
     ) -> None:
         lib = fused.load_fused()
         gemm, decode, prefill = load_gemm(), load_kernel(), load_prefill()
@@ -158,7 +161,8 @@ class LayerLoop:
             lo, hi = (int(t) for t in torch.aminmax(slots))
             if lo < 0 or hi >= self.num_slots:
                 raise IndexError(f"layer loop: a KV slot outside [0, {self.num_slots}): {lo}..{hi}")
-        keep = [positions, slots]  # every tensor the pointers below point into, alive
+        # every tensor (and ctypes array) the pointers below point into, alive
+        keep: list[object] = [positions, slots]
         n_pre = len(meta.prefills)
         batch = Batch(rows, positions.data_ptr(), slots.data_ptr(), n_pre)
         if n_pre:

@@ -45,15 +45,18 @@ The panel kernel itself, its micro-kernels and their measurements: ``kernels/cpu
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from sarathi_pp.stages.kernels.cpu.panel_gemm import PANEL, load_gemm
 from sarathi_pp.stages.model.host_pages import empty_huge
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +123,7 @@ class Linear:
         self.kind = kind or choose_kind(weight)
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = None
-        self._gemm: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+        self._gemm: CFuncPtr | None = None
         if self.kind == "panel_gemm":
             if not panel_gemm_applies(weight):
                 raise ValueError(f"panel_gemm cannot apply a {tuple(weight.shape)} weight here")
@@ -160,4 +163,5 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, self.bias, "none", [], ""
             )
+        assert self.weight is not None
         return F.linear(x, self.weight, self.bias)

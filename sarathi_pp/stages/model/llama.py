@@ -103,7 +103,11 @@ class StageModel:
         """``inputs``: token ids ``[num_tokens]`` on the first stage, else hidden states
         ``[num_tokens, hidden]``. Returns hidden states ``[num_tokens, hidden]`` (before the
         final norm)."""
-        x = F.embedding(inputs, self.embed) if self.is_first else inputs
+        if self.is_first:
+            assert self.embed is not None
+            x = F.embedding(inputs, self.embed)
+        else:
+            x = inputs
         loop = self.layer_loop(kv)
         if loop is not None and loop.applies(meta):
             # The loop updates x in place: the embedding's output is ours, hidden states are not.
@@ -131,5 +135,5 @@ class StageModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden``: ``[num_sampled, hidden]`` rows to sample from -> float32 logits."""
         assert self.is_last
-        assert self.lm_head is not None
+        assert self.lm_head is not None and self.norm is not None
         return self.lm_head(self.ops.rms_norm(hidden, self.norm, self.spec.rms_norm_eps)).float()

@@ -173,6 +173,7 @@ class ModelRunner:
     def _sample(self, microbatch: MicroBatch, hidden: torch.Tensor) -> StepResult:
         """The last stage's result: each sampling sequence's token (and its log-probabilities
         if asked for), or its failure (non-finite logits: that request fails alone)."""
+        assert self.model is not None
         rows = sample_rows(microbatch)
         result = StepResult()
         self.penalties.release(microbatch)
@@ -181,7 +182,8 @@ class ModelRunner:
             return result
         chunks = [c for c in microbatch.chunks if c.do_sample]
         logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
-        params = [c.sampling_params for c in chunks]
+        # every chunk's (do_sample: sampling_params is not None); the filter narrows the type
+        params = [c.sampling_params for c in chunks if c.sampling_params is not None]
         num_outputs = [c.num_output_tokens for c in chunks]
         sampling_logits, kept, outputs = self._penalized(logits, chunks, result)
         sampling_logits = processed_logits(  # penalized rows: a copy already, changed in place

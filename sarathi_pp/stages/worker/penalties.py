@@ -36,6 +36,7 @@ class PenaltyState:
     def before_sampling(self, chunk: ScheduledChunk) -> list[int]:
         """The sequence's tokens up to and including ``chunk``'s last (the positions the
         sampled token follows). ``KeyError``/``ValueError`` when they are not known."""
+        tokens: list[int] | None
         if chunk.is_prefill:
             tokens = [*chunk.history, *chunk.token_ids]
             if len(tokens) != chunk.end:

@@ -242,7 +242,7 @@ class PipelineStage:
         s = self.stage
         wait_start, arrived = self._free_since, time.monotonic()
         hidden, events, failure = incoming if incoming is not None else (None, [], None)
-        out = None
+        out: Any = None  # hidden states, or on the last stage its StepResult
         if failure is None:
             out, failure = self._execute(microbatch, hidden)
         end = self._free_since = time.monotonic()

@@ -8,8 +8,12 @@ from __future__ import annotations
 import ctypes
 import logging
 from functools import cache
+from typing import TYPE_CHECKING
 
 from sarathi_pp.stages.kernels.cpu.build import KERNEL_DIR, KernelUnavailable, build
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ class Batch(ctypes.Structure):
 
 
 @cache
-def load_loop() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def load_loop() -> CFuncPtr | None:
     """The compiled ``layer_loop_f32``, or None where nothing builds (logged once). It only
     calls other kernels, so it needs no OpenMP."""
     try:

@@ -79,19 +79,23 @@ from __future__ import annotations
 
 import ctypes
 from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 
 from sarathi_pp.stages.kernels.cpu.build import KERNEL_DIR, build, build_unless_off
 
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
+
 _SOURCE = KERNEL_DIR / "paged_attention.c"
 
 _threads = "not loaded"
-_prefill: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_prefill: CFuncPtr | None = None
 
 
 @cache
-def load_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def load_kernel() -> CFuncPtr | None:
     """The compiled ``paged_decode_f32``, or None (no compiler, or disabled by
     ``SARATHI_PP_CPU_KERNEL=0``); the reason is logged once. Loads ``load_prefill``'s
     kernel with it (one library)."""
@@ -107,7 +111,7 @@ def load_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return _decode_of(lib)
 
 
-def _decode_of(lib: ctypes.CDLL) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+def _decode_of(lib: ctypes.CDLL) -> CFuncPtr:
     """``lib``'s ``paged_decode_f32`` with its signature."""
     fn = lib.paged_decode_f32
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -116,7 +120,7 @@ def _decode_of(lib: ctypes.CDLL) -> ctypes._CFuncPtr:  # type: ignore[name-defin
     return fn
 
 
-def _prefill_of(lib: ctypes.CDLL) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _prefill_of(lib: ctypes.CDLL) -> CFuncPtr | None:
     """``lib``'s ``paged_prefill_f32`` with its signature, or None where it was built
     without AVX-512 or AVX2 + FMA."""
     if not lib.paged_prefill_supported():
@@ -129,14 +133,14 @@ def _prefill_of(lib: ctypes.CDLL) -> ctypes._CFuncPtr | None:  # type: ignore[na
     return fn
 
 
-def load_prefill() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def load_prefill() -> CFuncPtr | None:
     """The compiled ``paged_prefill_f32``, or None: no kernel (``load_kernel``) or a CPU
     with neither AVX-512 nor AVX2 + FMA (chunks then keep gather + SDPA)."""
     load_kernel()
     return _prefill
 
 
-def build_prefill(extra_flags: tuple[str, ...]) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def build_prefill(extra_flags: tuple[str, ...]) -> CFuncPtr | None:
     """The prefill kernel built with ``extra_flags`` after the usual ones (``-mno-avx512f``:
     its AVX2 path on an AVX-512 CPU, for tests and benchmarks); None where that build has
     no vector path. Raises ``build.KernelUnavailable`` when nothing builds."""
@@ -144,7 +148,7 @@ def build_prefill(extra_flags: tuple[str, ...]) -> ctypes._CFuncPtr | None:  # t
     return _prefill_of(lib)
 
 
-def build_decode(extra_flags: tuple[str, ...]) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+def build_decode(extra_flags: tuple[str, ...]) -> CFuncPtr:
     """The decode kernel built with ``extra_flags`` after the usual ones, as
     ``build_prefill`` (``-mno-avx512f`` on an AVX-512 CPU: its AVX2 path)."""
     lib, _ = build("paged_decode", _SOURCE, extra_flags=extra_flags)
@@ -183,7 +187,7 @@ def paged_decode(
     context_lens: torch.Tensor,  # [num_seqs] int64: keys each query attends to (its pos + 1)
     block_size: int,
     scale: float,
-    kernel: ctypes._CFuncPtr | None = None,  # type: ignore[name-defined]
+    kernel: CFuncPtr | None = None,
 ) -> torch.Tensor:  # [num_seqs, heads, head_dim]
     """Attention of one query row per sequence over its paged context, read in place.
     ``kernel``: a build of ``build_decode`` instead of ``load_kernel()``'s."""
@@ -213,7 +217,7 @@ def paged_prefill(
     start: int,  # position of the chunk's first token (tokens cached before it)
     block_size: int,
     scale: float,
-    kernel: ctypes._CFuncPtr | None = None,  # type: ignore[name-defined]
+    kernel: CFuncPtr | None = None,
 ) -> torch.Tensor:  # [n, heads, head_dim]
     """Causal attention of one prefill chunk over its context (earlier chunks' K/V and its
     own, already written to the cache), read from the blocks where they lie. ``kernel``: a

@@ -85,8 +85,12 @@ from __future__ import annotations
 import ctypes
 import logging
 from functools import cache
+from typing import TYPE_CHECKING
 
 from sarathi_pp.stages.kernels.cpu.build import KERNEL_DIR, KernelUnavailable, build, cpu_flags
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +99,7 @@ _SOURCE = KERNEL_DIR / "panel_gemm.c"
 
 
 @cache
-def load_gemm(extra_flags: tuple[str, ...] = ()) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def load_gemm(extra_flags: tuple[str, ...] = ()) -> CFuncPtr | None:
     """The compiled ``panel_gemm_f32``, or None (the reason logged once): a CPU without
     AVX2 + FMA, no compiler, or torch not on libgomp (the kernel runs on torch's OpenMP
     threads). With AVX-512 (``-march=native``) it is built with the AVX-512 micro-kernel;
