@@ -1,4 +1,5 @@
-"""Session-wide fixtures: tiny random HF model folders, each built once per test session.
+"""Session-wide fixtures: tiny random HF model folders, each built once per test session
+(and a config-only one for simulated runs, ``sim_model_dir``).
 
 ``tiny_model(name)`` builds a variant of ``helpers.VARIANTS`` on first request; the named
 fixtures below are shorthands. ``any_model_dir`` runs a test once per variant.
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers import VARIANTS, build_variant
+from sim_runs import write_model_dir
 
 
 @pytest.fixture(scope="session")
@@ -56,6 +58,13 @@ def qwen2_dir(tiny_model: Callable[[str], Path]) -> Path:
 def llama_sharded_dir(tiny_model: Callable[[str], Path]) -> Path:
     """The ``llama`` weights saved as several safetensors shards with an index json."""
     return tiny_model("llama-sharded")
+
+
+@pytest.fixture(scope="session")
+def sim_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model folder of a small Llama shape with only ``config.json``: what a simulated
+    run (``sim_runs``) needs."""
+    return write_model_dir(tmp_path_factory.mktemp("sim_model"))
 
 
 @pytest.fixture(scope="session", params=list(VARIANTS))

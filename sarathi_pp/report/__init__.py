@@ -5,7 +5,8 @@ is attributed).
 Modules: ``log`` (read and check the event log), ``bubbles`` (cut each stage's time into
 compute and classified gaps), ``request_metrics`` (TTFT, TBT, ... from requests.csv),
 ``summary``, ``trace``, ``timeline``, ``text`` (tables, comparisons), ``writer`` (the run
-dir), ``cli`` (``sarathi-pp report``), ``synthetic`` (a simulated run for tests/demos).
+dir), ``cli`` (``sarathi-pp report``). A run dir without a model or GPU: ``sarathi-pp
+simulate`` (``sarathi_pp.sim``) writes one as a real run does.
 """
 
 from sarathi_pp.report.bubbles import BUBBLE_CLASSES, BubbleAnalysis, analyze

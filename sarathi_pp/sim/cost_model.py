@@ -1,15 +1,18 @@
-"""What a micro-batch costs on each pipeline stage: one interface, two models.
+"""What a micro-batch costs on each pipeline stage: one interface, three models.
 
 ``CostModel.costs(microbatch)`` -> ``MicrobatchCost``: each stage's compute seconds, each
 stage's send to the next one, and the return of the sampled tokens to the driver.
 
 - ``AnalyticCostModel``: the roofline of ``analytic.py`` on a ``Hardware`` (tensor
   parallelism inside each stage, pipeline sends over the inter-node network or NVLink);
-- ``ProfiledCostModel`` (``profiled.py``): a ``sarathi-pp profile`` CSV of this machine.
+- ``ProfiledCostModel`` (``profiled.py``): a ``sarathi-pp profile`` CSV of this machine;
+- ``ScriptedCostModel``: times given by a function of the stage and the micro-batch (the
+  tests: a pipeline whose timings are known, a stall on one micro-batch, ...).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -110,3 +113,36 @@ class AnalyticCostModel:
             self.hw.network_bytes_per_s if self.pp_link == "network" else self.hw.nvlink_bytes_per_s
         )
         return nbytes / bw + self.link_latency()
+
+
+class ScriptedCostModel:
+    """Each stage's compute of a micro-batch is ``compute_s(stage_idx, microbatch)``
+    (the micro-batch's id, kind, tokens and chunks are there to choose by); every send to
+    the next stage takes ``send_s`` and the sampled tokens' return ``return_s``. For
+    pipelines whose timings a test states (1 s per compute, 10x on micro-batch 5, ...)
+    rather than derives from a model and a GPU."""
+
+    def __init__(
+        self,
+        num_stages: int,
+        compute_s: Callable[[int, MicroBatch], float],
+        send_s: float = 0.0,
+        return_s: float = 0.0,
+    ) -> None:
+        for name, v in (("send_s", send_s), ("return_s", return_s)):
+            if not (isinstance(v, (int, float)) and v >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        self.num_stages = num_stages
+        self.compute_s, self.send_s, self.return_s = compute_s, send_s, return_s
+
+    def costs(self, microbatch: MicroBatch) -> MicrobatchCost:
+        compute = tuple(float(self.compute_s(s, microbatch)) for s in range(self.num_stages))
+        if any(not c >= 0 for c in compute):
+            raise ValueError(f"micro-batch {microbatch.microbatch_id}: compute {compute} < 0")
+        last = self.num_stages - 1
+        sends = tuple(self.send_s if s < last else 0.0 for s in range(self.num_stages))
+        return MicrobatchCost(compute, sends, self.return_s)
+
+    def describe(self) -> str:
+        name = getattr(self.compute_s, "__name__", repr(self.compute_s))
+        return f"scripted ({name}; send {self.send_s} s, return {self.return_s} s)"

@@ -3,10 +3,12 @@ with stages that take a cost model's time on a virtual clock instead of running 
 
 For micro-batch ``j`` submitted at ``t`` (after the driver's own ``driver_s`` per
 micro-batch): stage 0 has it at ``t + dispatch_s``; stage ``s`` starts it when it is free
-(done with ``j-1``) and its input is there (stage ``s-1`` ended ``j`` + the send);
-stages run micro-batches in issue order; sends are asynchronous (a stage is free once it
-computed). The driver has the sampled tokens ``return_s`` after the last stage ends, and
-``wait_oldest`` moves the clock there. Each stage's timing is the ``StageEvent`` a real
+(done with ``j-1``) and its input is there (stage ``s-1`` handed ``j`` on + the send);
+stages run micro-batches in issue order. Handing the output on takes the stage
+``handoff_s`` after it computed (its ``send_end``; 0 by default: a stage is free once it
+computed), the send itself is asynchronous. The driver has the sampled tokens
+``return_s`` after the last stage handed them on, and ``wait_oldest`` moves the clock
+there. Each stage's timing is the ``StageEvent`` a real
 stage reports, so ``events.jsonl`` reads as a real run's.
 
 A micro-batch scheduled ahead (``parallel.schedule_ahead``) starts on stage 0 no earlier
@@ -43,9 +45,13 @@ class Overheads:
     dispatch_s: float = 0.0  # driver -> stage 0
     return_s: float | None = None  # last stage -> driver; None: the cost model's figure
     send_s: float = 0.0  # added to every stage-to-stage send (a runtime's own cost)
+    # each stage's own time handing its output on after computing (``send_end -
+    # compute_end`` in a real run's log: the transport's send call, the last stage's
+    # tokens put on their way); the stage takes its next micro-batch after it
+    handoff_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("driver_s", "dispatch_s", "return_s", "send_s"):
+        for name in ("driver_s", "dispatch_s", "return_s", "send_s", "handoff_s"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and v >= 0):
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
@@ -74,7 +80,7 @@ class SimExecutor:
         self.overheads = overheads or Overheads()
         self.num_stages = self.placement.num_stages
         self._token = _token_id(checkpoint.spec.eos_token_ids)
-        self._free = [clock.now()] * self.num_stages  # each stage's last compute end
+        self._free = [clock.now()] * self.num_stages  # when each stage handed its last output on
         self._inflight: deque[tuple[MicroBatch, float, list[StageEvent]]] = deque()
         self._ring_ready: dict[int, float] = {}  # micro-batch in flight -> its tokens at stage 0
 
@@ -107,15 +113,16 @@ class SimExecutor:
         for s in range(self.num_stages):
             start = max(ready, self._free[s], ring) if s == 0 else max(ready, self._free[s])
             end = start + cost.compute_s[s]
+            sent = end + o.handoff_s
             events.append(
                 StageEvent(s, mb.microbatch_id, mb.kind, mb.num_prefill_tokens,
-                           mb.num_decode_tokens, self._free[s], ready, start, end, end)
+                           mb.num_decode_tokens, self._free[s], ready, start, end, sent)
             )  # fmt: skip
-            self._free[s] = end
-            ready = end + cost.send_s[s] + o.send_s
+            self._free[s] = sent
+            ready = sent + cost.send_s[s] + o.send_s
         back = cost.return_s if o.return_s is None else o.return_s
-        self._inflight.append((mb, events[-1].compute_end + back, events))
-        self._ring_ready[mb.microbatch_id] = events[-1].compute_end + cost.return_s + o.send_s
+        self._inflight.append((mb, events[-1].send_end + back, events))
+        self._ring_ready[mb.microbatch_id] = events[-1].send_end + cost.return_s + o.send_s
 
     def next_done(self) -> float | None:
         """When the driver will have the oldest micro-batch's tokens (None: none in flight)."""

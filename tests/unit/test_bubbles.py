@@ -1,10 +1,13 @@
-"""Bubble attribution on hand-made event logs with known gaps (see report/bubbles.py)."""
+"""Bubble attribution on hand-made event logs with known gaps, and on simulated runs (the
+real engine loop on ``sarathi_pp.sim``, see ``tests/sim_runs.py``) with stated stage times
+(see report/bubbles.py)."""
 
 from __future__ import annotations
 
 from itertools import pairwise
 
 import pytest
+import sim_runs
 
 from sarathi_pp.report.bubbles import (
     BUBBLE_CLASSES,
@@ -16,7 +19,7 @@ from sarathi_pp.report.bubbles import (
     pb_class,
 )
 from sarathi_pp.report.log import parse_log
-from sarathi_pp.report.synthetic import MB, SimConfig, mixed_compute_s, mixed_workload, simulate
+from sarathi_pp.sim.executor import Overheads
 
 TOKENS = {"prefill": (8, 0), "decode": (0, 2), "hybrid": (6, 2)}
 
@@ -203,15 +206,24 @@ def test_scheduler_classes_passed_down():
     ]
 
 
-def test_scheduler_gap_reaches_every_stage_of_a_balanced_pipeline():
-    # 3 stages, 1 s per compute, a 2 s no_work gap before mb 2 on stage 0: every stage
-    # idles exactly 2 s for it (one compute later per stage) and no PB bubble appears.
-    cfg = SimConfig(num_stages=3, compute_s=lambda s, mb: 1.0, idle_before={2: ("no_work", 2.0)})
-    a = run(simulate([MB("decode", 0, 1)] * 4, cfg))
+def test_scheduler_gap_reaches_every_stage_of_a_balanced_pipeline(sim_model_dir, tmp_path):
+    # 3 stages, 1 s per compute, four one-prefill requests: two at 0 s, two at 4 s. Stage 0
+    # computes mb 0 and 1 by 2 s, then the scheduler has nothing ready (both in flight:
+    # ``dependency``, the load's own share of it: ``load``) until 4 s. Every stage idles
+    # exactly 2 s for it (one compute later per stage) and no PB bubble appears.
+    reqs = sim_runs.requests([128] * 4, 1, [0.0, 0.0, 4.0, 4.0])
+    d = sim_runs.run(tmp_path / "run", sim_model_dir, reqs, sim_runs.constant_s(1.0),
+                     num_stages=3, chunk_size=128)  # fmt: skip
+    records = sim_runs.events(d)
+    a = run(records)
+    assert [e.kind for e in parse_log(records, "x").stages[0]] == ["prefill"] * 4
     assert (a.window.start, a.window.end) == (2.0, 6.0)
     for b in a.stages:
-        only(b.bubbles_s, no_work=2.0)
+        only(b.bubbles_s, load=2.0)
         assert b.busy_s == pytest.approx(2.0)
+    unsplit = analyze(parse_log(records, "x"), split=False)
+    for b in unsplit.stages:
+        only(b.bubbles_s, dependency=2.0)
 
 
 def test_gap_absorbed_by_a_busy_stage_is_not_passed_down():
@@ -296,19 +308,20 @@ def test_single_stage():
 
 
 @pytest.mark.parametrize("num_stages", [2, 3, 4])
-def test_exact_accounting_on_a_long_mixed_run(num_stages):
-    gaps = {j: ("dependency" if j % 2 else "no_work", 0.003) for j in range(5, 200, 17)}
-    cfg = SimConfig(
-        num_stages=num_stages,
-        compute_s=mixed_compute_s,
-        send_s=1e-4,
-        transfer_s=2e-4,
-        overhead_s=3e-4,
-        idle_before=gaps,
-    )
-    records = simulate(mixed_workload(200, seed=num_stages), cfg)
+def test_exact_accounting_on_a_long_mixed_run(num_stages, sim_model_dir, tmp_path):
+    # prefill, hybrid and decode micro-batches of a mixed load with arrival gaps; every
+    # stage hands its output on (``handoff_s``) and sends take time: comm on every stage
+    o = Overheads(driver_s=3e-4, dispatch_s=1e-4, handoff_s=1e-4)
+    d = sim_runs.run(
+        tmp_path / "run", sim_model_dir, sim_runs.mixed_requests(40, seed=num_stages),
+        sim_runs.mixed_compute_s, num_stages, send_s=2e-4, return_s=3e-4, overheads=o,
+        chunk_size=256,
+    )  # fmt: skip
+    records = sim_runs.events(d)
     a = run(records)
     assert a.window.steady_state
+    kinds = [r["kind"] for r in records if r["type"] == "issue"]
+    assert len(kinds) > 100 and set(kinds) == {"prefill", "decode", "hybrid"}
     for b in a.stages:
         assert 0 < b.idle_s < b.window_s
         assert b.bubbles_s["comm"] > 0
@@ -360,14 +373,20 @@ def _window_bubble(a) -> float:
     return sum(s.window_s - s.busy_s for s in a.stages) / sum(s.window_s for s in a.stages)
 
 
-def test_prefill_split_cuts_at_the_last_prefill_and_adds_up_to_the_window():
-    cfg = SimConfig(num_stages=2, compute_s=mixed_compute_s, send_s=0.001,
-                    transfer_s=0.002, overhead_s=0.003)  # fmt: skip
-    mbs = [MB("hybrid", 256, 8)] * 30 + [MB("decode", 0, 8)] * 40  # a closed workload's shape
-    log = parse_log(simulate(mbs, cfg), "synthetic")
+def test_prefill_split_cuts_at_the_last_prefill_and_adds_up_to_the_window(sim_model_dir, tmp_path):
+    # a closed workload: six long prompts at once, chunked (prefills, then hybrids), then
+    # their decodes alone
+    o = Overheads(driver_s=0.002, dispatch_s=0.001, handoff_s=0.001)
+    d = sim_runs.run(tmp_path / "run", sim_model_dir, sim_runs.requests([1000] * 6, 40),
+                     sim_runs.mixed_compute_s, send_s=0.002, overheads=o, chunk_size=256)  # fmt: skip
+    log = parse_log(sim_runs.events(d), "sim")
     a = analyze(log)
     split = a.prefill_split
-    assert split.cut == log.by_mb(0)[29].compute_end  # the last hybrid on stage 0
+    last = max((e for e in log.stages[0] if e.num_prefill_tokens > 0), key=lambda e: e.mb)
+    assert last.kind == "hybrid" and last.mb > 20
+    after = [e.kind for e in log.stages[0] if e.mb > last.mb]
+    assert len(after) > 20 and set(after) == {"decode"}
+    assert split.cut == last.compute_end  # the last hybrid on stage 0
     assert 0 < split.decode_only_share < 1
     assert split.while_prefills is not None and split.decode_only is not None
     # the fixed costs per micro-batch weigh more against the short decode-only computes
@@ -379,12 +398,23 @@ def test_prefill_split_cuts_at_the_last_prefill_and_adds_up_to_the_window():
     assert analyze(log, keep_segments=False).prefill_split == split
 
 
-def test_prefill_split_of_a_one_phase_log_leaves_the_other_empty():
-    a = analyze(parse_log(simulate([MB("decode", 0, 8)] * 20, SimConfig()), "decodes"))
+def test_prefill_split_of_a_one_phase_log_leaves_the_other_empty(sim_model_dir, tmp_path):
+    # four short prompts in the first micro-batch, then only their decodes: the window
+    # (from stage 1's first compute on) holds no prefill
+    d = sim_runs.run(tmp_path / "decodes", sim_model_dir, sim_runs.requests([32] * 4, 20),
+                     sim_runs.constant_s(0.01), chunk_size=256)  # fmt: skip
+    log = parse_log(sim_runs.events(d), "decodes")
+    assert [e.kind for e in log.stages[0]][:2] == ["prefill", "decode"]
+    assert {e.kind for e in log.stages[0][1:]} == {"decode"}
+    a = analyze(log)
     split = a.prefill_split
     assert split.while_prefills is None and split.decode_only_share == 1.0
     assert split.decode_only == pytest.approx(_window_bubble(a))
-    a = analyze(parse_log(simulate([MB("prefill", 64)] * 20, SimConfig()), "prefills"))
-    split = a.prefill_split
+    # one prompt per micro-batch, each request done with its first token: prefills only
+    d = sim_runs.run(tmp_path / "prefills", sim_model_dir, sim_runs.requests([128] * 20, 1),
+                     sim_runs.constant_s(0.01), chunk_size=128)  # fmt: skip
+    log = parse_log(sim_runs.events(d), "prefills")
+    assert [e.kind for e in log.stages[0]] == ["prefill"] * 20
+    split = analyze(log).prefill_split
     assert split.decode_only is None and split.decode_only_share == 0.0
     assert split.while_prefills is not None

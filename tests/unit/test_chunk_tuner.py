@@ -1,6 +1,7 @@
 """``chunk_size: auto``: the tuner on synthetic request streams, the schedulers with a budget
 that changes mid-run (the fake-model simulation of ``test_scheduler``), B for the engine,
-and the budget over time in the event log and the report files."""
+and the budget over time in the event log and the report files (simulated runs, the tuner
+in the engine: ``tests/sim_runs.py``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
+import sim_runs
 from test_scheduler import (
     MAX_MODEL_LEN,
     Request,
@@ -30,8 +32,6 @@ from sarathi_pp.planner.memory import (
 )
 from sarathi_pp.planner.tuner import ChunkTuner
 from sarathi_pp.report import load_log, write_report
-from sarathi_pp.report.synthetic import MB, SimConfig, request_rows, write_events, write_requests
-from sarathi_pp.report.synthetic import simulate as simulate_pipeline
 from sarathi_pp.report.text import format_comparison, format_run
 from sarathi_pp.scheduler import create_scheduler
 from sarathi_pp.sequence import SequenceStatus
@@ -231,19 +231,22 @@ def test_event_log_records_the_first_value_and_changes_only():
     ]
 
 
-def sim_run(d: Path, chunk_sizes: list[tuple[float, int]], auto: bool = True) -> Path:
-    d.mkdir(parents=True)
-    records = simulate_pipeline([MB("hybrid", 6, 2)] * 8, SimConfig(compute_s=lambda s, mb: 0.01))
-    records[0]["config"]["scheduler"]["chunk_size"] = "auto" if auto else chunk_sizes[0][1]
-    records += [{"type": "chunk_size", "t": t, "chunk_size": v} for t, v in chunk_sizes]
-    write_events(d / "events.jsonl", records)
-    write_requests(d / "requests.csv", request_rows(4))
-    return d
-
-
-def test_report_shows_the_budget_over_time(tmp_path: Path):
-    changes = [(0.0, 256), (0.03, 384), (0.05, 512)]
-    d = sim_run(tmp_path / "auto", changes)
+def test_report_shows_the_budget_over_time(sim_model_dir, tmp_path: Path):
+    # the tuner re-plans from the last finished request (a window of 1) within the clamp
+    # [128, 512], 4 decodes per micro-batch (8 sequences over 2 in flight): P:D 8 plans the
+    # 128 clamp (256 with the decodes, tile 128), then 95 plans 384, then 200 plans 512
+    reqs = sim_runs.requests(
+        [64, 64, 1140, 1140, 1200, 1200], [8, 8, 12, 12, 6, 6], [0.0, 0.0, 1.0, 1.0, 3.0, 3.0]
+    )
+    d = sim_runs.run(
+        tmp_path / "auto", sim_model_dir, reqs, sim_runs.constant_s(0.01), report=True,
+        chunk_size="auto", min_chunk_size=128, max_chunk_size=512, auto_chunk_window=1,
+        max_num_seqs=8,
+    )  # fmt: skip
+    records = [r for r in sim_runs.events(d) if r["type"] == "chunk_size"]
+    changes = [[r["t"], r["chunk_size"]] for r in records]
+    assert [v for _, v in changes] == [256, 384, 512]
+    assert changes[0][0] == 0.0 < changes[1][0] < changes[2][0]
     summary = write_report(d)
     assert summary["chunk_size"] == {
         "auto": True,
@@ -252,28 +255,31 @@ def test_report_shows_the_budget_over_time(tmp_path: Path):
         "min": 256,
         "max": 512,
         "num_changes": 2,
-        "changes": [[0.0, 256], [0.03, 384], [0.05, 512]],
+        "changes": changes,
     }
     assert json.loads((d / "summary.json").read_text())["chunk_size"] == summary["chunk_size"]
     trace = json.loads((d / "trace.json").read_text())["traceEvents"]
     counter = [e for e in trace if e["ph"] == "C" and e["name"] == "chunk_size"]
     assert [e["args"]["chunk_size"] for e in counter] == [256, 384, 512, 512]  # + the run end
-    assert [e["ts"] for e in counter[:3]] == pytest.approx([0.0, 3e4, 5e4])
+    assert [e["ts"] for e in counter[:3]] == pytest.approx([t * 1e6 for t, _ in changes])
     assert counter[-1]["ts"] == pytest.approx(summary["run"]["end_s"] * 1e6)
     assert (d / "timeline.png").stat().st_size > 0
     text = format_run("auto", summary)
     assert "chunk_size auto: 256 at the start, 512 at the end (256-512, 2 changes)" in text
-    fixed = write_report(sim_run(tmp_path / "fixed", [(0.0, 256)], auto=False), plot=False)
+    fixed_dir = sim_runs.run(tmp_path / "fixed", sim_model_dir, reqs, sim_runs.constant_s(0.01),
+                             chunk_size=256)  # fmt: skip
+    fixed = write_report(fixed_dir, plot=False)
+    assert fixed["chunk_size"]["auto"] is False and fixed["chunk_size"]["num_changes"] == 0
     assert "\nchunk_size 256\n" in format_run("fixed", fixed)
     table = format_comparison(["auto", "fixed"], [summary, fixed])
     assert "auto 256-512" in table and "chunk_size" in table
 
 
-def test_a_log_without_chunk_size_records_still_loads(tmp_path: Path):
-    d = tmp_path / "old"
-    d.mkdir()
-    write_events(d / "events.jsonl", simulate_pipeline([MB("decode", 0, 2)] * 3, SimConfig()))
-    write_requests(d / "requests.csv", request_rows(2))
+def test_a_log_without_chunk_size_records_still_loads(sim_model_dir, tmp_path: Path):
+    # a policy that runs whole prompts has no budget: its log has no chunk_size records
+    d = sim_runs.run(tmp_path / "old", sim_model_dir, sim_runs.requests([8] * 2, 3),
+                     sim_runs.constant_s(0.01), scheduler="orca")  # fmt: skip
+    assert "chunk_size" not in {r["type"] for r in sim_runs.events(d)}
     assert load_log(d / "events.jsonl").chunk_sizes == ()
     summary = write_report(d)
     assert summary["chunk_size"] is None

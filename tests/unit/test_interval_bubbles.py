@@ -1,34 +1,36 @@
 """Bubbles over an interval (``report --interval``, the server's ``/metrics``): the whole
 window equals the report's steady-state figures, classes add up, the time before and after
 the run is ``no_work``, the pipeline's fill and drain are what the summary says they are,
-and the server's trimmed window gives the same figures as the full log."""
+and the server's trimmed window gives the same figures as the full log (on simulated runs,
+``tests/sim_runs.py``)."""
 
 from __future__ import annotations
 
 import pytest
+import sim_runs
 
 from sarathi_pp.report.bubbles import BUBBLE_CLASSES, BUSY, FILL_DRAIN, analyze, run_span
 from sarathi_pp.report.interval import format_interval, interval_bubbles, parse_interval
 from sarathi_pp.report.log import parse_log
-from sarathi_pp.report.synthetic import MB, SimConfig, mixed_compute_s, mixed_workload, simulate
 from sarathi_pp.serve.bubble_window import BubbleWindow
-
-CFG = SimConfig(
-    num_stages=3,
-    compute_s=mixed_compute_s,
-    send_s=0.001,
-    transfer_s=0.002,
-    overhead_s=0.003,
-    idle_before={5: ("dependency", 0.02), 40: ("no_work", 0.5), 41: ("dependency", 0.01)},
-)
+from sarathi_pp.sim.executor import Overheads
 
 
-def _records() -> list[dict]:
-    return simulate(mixed_workload(120, seed=1), CFG)
+@pytest.fixture(scope="module")
+def records(sim_model_dir, tmp_path_factory) -> list[dict]:
+    """PP=3, a mixed load whose arrivals pause for 0.5 s after 15 requests (the engine runs
+    out of work, then fills the pipeline again), the runtime's overheads and sends."""
+    d = sim_runs.run(
+        tmp_path_factory.mktemp("interval") / "run", sim_model_dir,
+        sim_runs.mixed_requests(30, seed=1, pause=(15, 0.5)), sim_runs.mixed_compute_s,
+        num_stages=3, send_s=0.002, chunk_size=256,
+        overheads=Overheads(driver_s=0.002, dispatch_s=0.001, handoff_s=0.001),
+    )  # fmt: skip
+    return sim_runs.events(d)
 
 
-def test_the_steady_window_equals_the_report():
-    log = parse_log(_records(), "synthetic")
+def test_the_steady_window_equals_the_report(records):
+    log = parse_log(records, "sim")
     a = analyze(log)
     ib = interval_bubbles(log, a.window.start, a.window.end)
     for s, stage in enumerate(a.stages):
@@ -37,19 +39,29 @@ def test_the_steady_window_equals_the_report():
         for c in BUBBLE_CLASSES:
             assert f[c] == pytest.approx(stage.bubbles_s[c] / stage.window_s, abs=1e-12), c
         assert sum(f.values()) == pytest.approx(1.0, abs=1e-12)
-    assert any(ib.fractions[0][c] > 0 for c in ("dependency", "no_work"))
+    # the scheduler's gaps are in the window: for want of work, for the load, for tokens
+    assert all(ib.fractions[0][c] > 0 for c in ("no_work", "load", "in_flight"))
 
 
-def test_time_before_the_run_is_no_work():
-    records = simulate([MB("prefill", 8)] * 4, SimConfig(start_s=5.0))
-    ib = interval_bubbles(parse_log(records, "synthetic"), 0.0, 10.0)
+def one_prefill_each(tmp_path, sim_model_dir, compute_s: float, at: float = 0.0) -> list[dict]:
+    """Four one-prompt micro-batches (requests arriving at ``at``) through two stages."""
+    reqs = sim_runs.requests([128] * 4, 1, [at] * 4)
+    d = sim_runs.run(tmp_path / "run", sim_model_dir, reqs, sim_runs.constant_s(compute_s),
+                     chunk_size=128)  # fmt: skip
+    return sim_runs.events(d)
+
+
+def test_time_before_the_run_is_no_work(sim_model_dir, tmp_path):
+    records = one_prefill_each(tmp_path, sim_model_dir, 0.01, at=5.0)
+    log = parse_log(records, "sim")
+    assert log.issues[0].t == 5.0 and log.num_microbatches == 4
+    ib = interval_bubbles(log, 0.0, 10.0)
     assert ib.fractions[0]["no_work"] >= 0.5  # [0, 5): nothing had run yet
     assert sum(ib.fractions[1].values()) == pytest.approx(1.0)
 
 
-def test_time_after_the_run_is_no_work():
-    records = simulate([MB("prefill", 8)] * 4, SimConfig(compute_s=lambda s, mb: 0.5))
-    log = parse_log(records, "synthetic")
+def test_time_after_the_run_is_no_work(sim_model_dir, tmp_path):
+    log = parse_log(one_prefill_each(tmp_path, sim_model_dir, 0.5), "sim")
     _, run_end = run_span(log)
     after = interval_bubbles(log, run_end + 5.0, run_end + 10.0)
     for f in after.fractions:  # long after the run: the engine ran nothing, needed nothing
@@ -59,15 +71,15 @@ def test_time_after_the_run_is_no_work():
     assert sum(half.fractions[1].values()) == pytest.approx(1.0)
 
 
-def test_fill_and_drain_are_the_summary_s_not_pb1():
+def test_fill_and_drain_are_the_summary_s_not_pb1(sim_model_dir, tmp_path):
     """Stage 1 waiting for its first micro-batch is the pipeline filling: ``report
     --interval`` says ``fill`` there, and over the whole run its fill, drain and classes
     are the summary's; the server's view (no ``fill_drain``) keeps the classes."""
-    records = simulate(
-        [MB("prefill", 256)] * 3 + [MB("decode", 0, 8)] * 6,
-        SimConfig(compute_s=mixed_compute_s, send_s=0.001, transfer_s=0.002),
-    )
-    log = parse_log(records, "synthetic")
+    d = sim_runs.run(tmp_path / "run", sim_model_dir, sim_runs.requests([256] * 3, 6),
+                     sim_runs.mixed_compute_s, send_s=0.002, chunk_size=256,
+                     overheads=Overheads(handoff_s=0.001))  # fmt: skip
+    log = parse_log(sim_runs.events(d), "sim")
+    assert log.stages[0][0].kind == "prefill" and log.stages[0][-1].kind == "decode"
     a = analyze(log)
     run_start, run_end = a.run_start, a.run_end
     first = log.stages[1][0].compute_start
@@ -93,8 +105,7 @@ def test_fill_and_drain_are_the_summary_s_not_pb1():
     assert "fill" not in format_interval("run", interval_bubbles(log, run_start, run_end))
 
 
-def test_trimmed_window_equals_the_full_log():
-    records = _records()
+def test_trimmed_window_equals_the_full_log(records):
     full = parse_log(records, "full")
     t_end = max(r["send_end"] for r in records if r["type"] == "stage")
     window = BubbleWindow(3, t0=0.0, now=lambda: t_end)

@@ -1,13 +1,17 @@
 """The report files (summary.json, trace.json, timeline.png), request metrics, the text
-tables and comparison, ``sarathi-pp report`` and its errors, on synthetic run dirs."""
+tables and comparison, ``sarathi-pp report`` and its errors, on simulated run dirs (the
+real engine loop on ``sarathi_pp.sim`` with stated stage times, ``tests/sim_runs.py``)."""
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import sim_runs
 
 from sarathi_pp.cli.report import add_parser as add_report_parser
 from sarathi_pp.cli.report import run_names
@@ -16,32 +20,40 @@ from sarathi_pp.report.bubbles import BUBBLE_CLASSES
 from sarathi_pp.report.interval import interval_bubbles
 from sarathi_pp.report.log import load_log
 from sarathi_pp.report.request_metrics import distribution, load_requests, request_summary
-from sarathi_pp.report.synthetic import (
-    MB,
-    SimConfig,
-    mixed_compute_s,
-    request_rows,
-    simulate,
-    write_demo_run,
-    write_events,
-    write_requests,
-)
 from sarathi_pp.report.text import format_comparison, ratio_text
 from sarathi_pp.run_dir import REQUEST_COLUMNS
+from sarathi_pp.sim.executor import Overheads
 
 DIST_KEYS = {"p50", "p90", "p99", "max", "mean"}
+DEMO_REQUESTS = 15
+
+
+@pytest.fixture(scope="module")
+def demo_source(sim_model_dir, tmp_path_factory) -> Path:
+    """A simulated PP=2 run of a mixed load (15 requests, a pause in the arrivals), the
+    runtime's overheads, sends and the tokens' return, as the engine leaves it (report
+    files written)."""
+    d = tmp_path_factory.mktemp("demo_source") / "demo"
+    return sim_runs.run(
+        d, sim_model_dir, sim_runs.mixed_requests(DEMO_REQUESTS, seed=0, pause=(8, 0.3)),
+        sim_runs.mixed_compute_s, report=True, send_s=3e-4, return_s=5e-4, chunk_size=256,
+        overheads=Overheads(driver_s=3e-4, dispatch_s=2e-4, handoff_s=2e-4),
+    )  # fmt: skip
 
 
 @pytest.fixture
-def demo_run(tmp_path: Path) -> Path:
-    return write_demo_run(tmp_path / "demo", num_stages=2, num_microbatches=60)
+def demo_run(demo_source: Path, tmp_path: Path) -> Path:
+    """A copy of ``demo_source`` for the test to change."""
+    return Path(shutil.copytree(demo_source, tmp_path / "demo"))
 
 
-def sim_run(d: Path, mbs: list[MB], cfg: SimConfig, num_requests: int = 4) -> Path:
-    d.mkdir(parents=True)
-    write_events(d / "events.jsonl", simulate(mbs, cfg))
-    write_requests(d / "requests.csv", request_rows(num_requests))
-    return d
+def issued(run_dir: Path) -> int:
+    """The micro-batches the engine issued (its ``issue`` records)."""
+    return sum(1 for r in sim_runs.events(run_dir) if r["type"] == "issue")
+
+
+def sim_run(d: Path, model_dir: Path, reqs: list, compute_s, **kw) -> Path:
+    return sim_runs.run(d, model_dir, reqs, compute_s, **kw)
 
 
 # --- summary.json ---------------------------------------------------------------------------
@@ -59,22 +71,28 @@ def test_summary_keys(demo_run: Path):
     o = summary["overall"]
     assert o["bubble_fraction"] == pytest.approx(o["idle_s"] / o["window_s"])
     assert o["idle_s"] == pytest.approx(sum(e["idle_s"] for e in summary["stages"]))
-    assert sum(o["microbatches_by_kind"].values()) == o["num_microbatches"] == 60
+    n = issued(demo_run)
+    assert n > 100 and set(o["microbatches_by_kind"]) == {"prefill", "decode", "hybrid"}
+    assert sum(o["microbatches_by_kind"].values()) == o["num_microbatches"] == n
     mbs = summary["stages"][1]["microbatches"]
-    assert mbs["all"]["count"] == 60 and mbs["all"]["compute_cv"] > 0
+    assert mbs["all"]["count"] == n and mbs["all"]["compute_cv"] > 0
     assert all(
         e["stalls"] == {"count": 0, "excess_s": 0.0, "listed": []} for e in summary["stages"]
     )
 
 
-def test_summary_splits_the_window_at_the_last_prefill(tmp_path: Path, capsys):
-    cfg = SimConfig(num_stages=2, compute_s=mixed_compute_s, send_s=0.001, transfer_s=0.002,
-                    overhead_s=0.003)  # fmt: skip
-    d = sim_run(tmp_path / "tail", [MB("hybrid", 256, 8)] * 30 + [MB("decode", 0, 8)] * 40, cfg)
+def test_summary_splits_the_window_at_the_last_prefill(sim_model_dir, tmp_path: Path, capsys):
+    # a closed workload: six long prompts chunked (prefills, hybrids), then their decodes
+    d = sim_run(tmp_path / "tail", sim_model_dir, sim_runs.requests([1000] * 6, 40),
+                sim_runs.mixed_compute_s, send_s=0.002, chunk_size=256,
+                overheads=Overheads(driver_s=0.002, dispatch_s=0.001, handoff_s=0.001))  # fmt: skip
     summary = write_report(d, plot=False)
     p, w = summary["prefill_split"], summary["window"]
     log = load_log(d / "events.jsonl")
-    assert p["cut_s"] == log.by_mb(0)[29].compute_end  # the last hybrid left stage 0
+    last = max((e for e in log.stages[0] if e.num_prefill_tokens > 0), key=lambda e: e.mb)
+    after = {e.kind for e in log.stages[0] if e.mb > last.mb}
+    assert last.kind == "hybrid" and after == {"decode"}
+    assert p["cut_s"] == last.compute_end  # the last hybrid left stage 0
     # the same figures as report --interval over each part (segments computed apart)
     for (a, b), got in (((w["start_s"], p["cut_s"]), p["while_prefills"]),
                         ((p["cut_s"], w["end_s"]), p["decode_only"])):  # fmt: skip
@@ -90,19 +108,26 @@ def test_summary_splits_the_window_at_the_last_prefill(tmp_path: Path, capsys):
     assert f"of the window) {p['decode_only']:.1%}" in out
 
 
-def test_compute_stalls_name_the_slow_micro_batches(tmp_path: Path, capsys):
+def test_compute_stalls_name_the_slow_micro_batches(sim_model_dir, tmp_path: Path, capsys):
     """Two hybrids that took 10x their neighbours on both stages (a first touch of the KV
     cache in a VM, say) are named, with what their shape predicted; the wait each caused on
     stage 1 is in the `hybrid` class, as the shapes give it (Note [compute stalls])."""
-    mbs = [MB("hybrid", 60, 4)] * 40 + [MB("decode", 0, d) for d in range(32, 0, -1)]
-    per_mb = [0.12 if mb.kind == "hybrid" else 0.03 + 0.002 * mb.num_decode_tokens for mb in mbs]
-    per_mb[5] = per_mb[25] = 1.2
-    times = iter([t for t in per_mb for _ in range(2)])  # simulate asks stage 0, then 1
 
-    def timed(s: int, mb: MB) -> float:
-        return next(times)
+    def timed(s: int, mb) -> float:
+        if mb.microbatch_id in (5, 25):
+            return 1.2
+        if mb.kind == "decode":
+            return 0.03 + 0.002 * mb.num_decode_tokens
+        return 0.12 * (mb.num_prefill_tokens + mb.num_decode_tokens) / 128  # 0.12 a full one
 
-    d = sim_run(tmp_path / "stalls", mbs, SimConfig(num_stages=2, compute_s=timed))
+    # 30 prompts of 130 tokens in micro-batches of 128: prefills, ~30 hybrids, decodes
+    d = sim_run(tmp_path / "stalls", sim_model_dir, sim_runs.requests([130] * 30, 30), timed,
+                chunk_size=128)  # fmt: skip
+    log = load_log(d / "events.jsonl")
+    shapes = {e.mb: (e.kind, e.num_prefill_tokens + e.num_decode_tokens) for e in log.stages[0]}
+    assert all(shapes[j] == ("hybrid", 128) for j in (4, 5, 6, 24, 25, 26))
+    decodes = {e.num_decode_tokens for e in log.stages[0] if e.kind == "decode"}
+    assert min(decodes) == 1 and max(decodes) >= 12  # decode-only ones of 1 to 15 decodes
     summary = write_report(d, plot=False)
     for e in summary["stages"]:
         st = e["stalls"]
@@ -116,19 +141,27 @@ def test_compute_stalls_name_the_slow_micro_batches(tmp_path: Path, capsys):
     assert "stage 1: 2, 2.160 s past the prediction: mb 5 1.200 s (~0.120), mb 25 1.200" in out
 
 
-def test_shapes_alone_are_no_compute_stalls(tmp_path: Path):
+def test_shapes_alone_are_no_compute_stalls(sim_model_dir, tmp_path: Path):
     """What shapes explain stays out: whole prompts of 128 to 1024 tokens (a per-token cost
-    and attention growing with the prompt), decode-only micro-batches of 1 to 32 decodes
-    over a read of the weights, small hybrids."""
+    and attention growing with the prompt), decode-only micro-batches of 1 to 31 decodes
+    over a read of the weights, small and large hybrids."""
 
-    def compute_s(s: int, mb: MB) -> float:
+    def compute_s(s: int, mb) -> float:
         p = mb.num_prefill_tokens
         return 0.1 + 3e-4 * p + 1e-7 * p * p + 0.002 * mb.num_decode_tokens  # 0.1: the weights
 
-    mbs = [MB("prefill", p) for p in (128, 1024, 512, 128, 1024, 256)] * 3
-    mbs += [MB("hybrid", p, 8) for p in (8, 512, 1024, 1024)] * 3
-    mbs += [MB("decode", 0, d) for d in (1, 32, 8, 2, 16, 4)] * 3
-    d = sim_run(tmp_path / "shapes", mbs, SimConfig(num_stages=2, compute_s=compute_s))
+    whole = [128, 1024, 512, 128, 1024, 256]  # one at a time, a token each: prefills
+    mixed = [8, 512, 1024, 1024] * 2  # arriving while others decode: hybrids
+    prompts = whole + mixed + [8] * 64  # 64 short ones at once: decodes of 31 down to 1
+    outputs = [1] * 6 + [12] * 8 + [1 + i // 2 for i in range(64)]
+    arrivals = [3.0 * i for i in range(6)] + [20.0 + 0.15 * i for i in range(8)] + [40.0] * 64
+    reqs = sim_runs.requests(prompts, outputs, arrivals)
+    d = sim_run(tmp_path / "shapes", sim_model_dir, reqs, compute_s, chunk_size=1024)
+    events = load_log(d / "events.jsonl").stages[0]
+    assert {e.num_prefill_tokens for e in events if e.kind == "prefill"} >= {128, 512, 1024}
+    assert {e.num_prefill_tokens for e in events if e.kind == "hybrid"} >= {17, 511, 1023}
+    decodes = {e.num_decode_tokens for e in events if e.kind == "decode"}
+    assert min(decodes) == 1 and max(decodes) >= 30
     for e in write_report(d, plot=False)["stages"]:
         assert e["stalls"]["count"] == 0, e["stalls"]
 
@@ -138,12 +171,15 @@ def test_summary_requests(demo_run: Path):
     for key in ("ttft_s", "tbt_s", "tpot_s", "e2e_s", "scheduling_delay_s"):
         assert set(req[key]) == DIST_KEYS
         assert req[key]["p50"] <= req[key]["p90"] <= req[key]["p99"] <= req[key]["max"]
-    assert req["num_requests"] == 15 and req["tbt_source"] == "token_times"
+    assert req["num_requests"] == DEMO_REQUESTS and req["tbt_source"] == "token_times"
     assert req["generated_tokens_per_s"] > 0 and req["requests_per_s"] > 0
 
 
-def test_too_short_run_says_so(tmp_path: Path):
-    d = sim_run(tmp_path / "short", [MB("prefill", 8)], SimConfig(num_stages=3))
+def test_too_short_run_says_so(sim_model_dir, tmp_path: Path):
+    # one prompt, one micro-batch, through three stages
+    d = sim_run(tmp_path / "short", sim_model_dir, sim_runs.requests([8], 1),
+                sim_runs.constant_s(0.01), num_stages=3)  # fmt: skip
+    assert issued(d) == 1
     summary = write_report(d, plot=False)
     assert summary["steady_state"] is False and "too short" in summary["steady_state_note"]
     assert summary["window"] == summary["run"]
@@ -151,14 +187,28 @@ def test_too_short_run_says_so(tmp_path: Path):
 
 
 # --- request metrics ------------------------------------------------------------------------
+def sim_rows(model_dir: Path, d: Path, n: int, num_tokens: int) -> list[dict[str, str]]:
+    """``requests.csv``'s rows, as the engine wrote them, of a simulated run of ``n``
+    requests of ``num_tokens`` output tokens each."""
+    reqs = sim_runs.requests([64] * n, num_tokens, [0.05 * i for i in range(n)])
+    run = sim_run(d, model_dir, reqs, sim_runs.constant_s(0.01))
+    with open(run / "requests.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["num_output_tokens"]) for r in rows] == [num_tokens] * n
+    return rows
+
+
 def rows_csv(path: Path, rows: list[dict], token_times: bool = True) -> list:
     columns = [c for c in REQUEST_COLUMNS if token_times or c != "token_times"]
-    write_requests(path, rows, columns)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
     return load_requests(path)
 
 
-def test_tbt_pools_every_gap(tmp_path: Path):
-    rows = request_rows(2, num_tokens=3)
+def test_tbt_pools_every_gap(sim_model_dir, tmp_path: Path):
+    rows = sim_rows(sim_model_dir, tmp_path / "run", 2, num_tokens=3)
     rows[0]["token_times"] = "0.5 0.75 1.25"  # gaps 0.25, 0.5
     rows[1]["token_times"] = "0.25 1.25 1.5"  # gaps 1.0, 0.25
     req = request_summary(rows_csv(tmp_path / "r.csv", rows))
@@ -166,18 +216,19 @@ def test_tbt_pools_every_gap(tmp_path: Path):
     assert req["tbt_s"]["p50"] == pytest.approx(0.375)
 
 
-def test_tbt_without_token_times(tmp_path: Path):
-    rows = request_rows(3, num_tokens=5)
+def test_tbt_without_token_times(sim_model_dir, tmp_path: Path):
+    rows = sim_rows(sim_model_dir, tmp_path / "run", 3, num_tokens=5)
     req = request_summary(rows_csv(tmp_path / "r.csv", rows, token_times=False))
     assert req["tbt_source"] == "tbt_mean_s"
-    assert req["tbt_s"]["max"] == pytest.approx(max(r["tbt_max_s"] for r in rows))
-    assert req["tbt_s"]["mean"] == pytest.approx(sum(r["tbt_mean_s"] for r in rows) / 3)
+    assert req["tbt_s"]["max"] == pytest.approx(max(float(r["tbt_max_s"]) for r in rows))
+    mean = sum(float(r["tbt_mean_s"]) for r in rows) / 3
+    assert req["tbt_s"]["mean"] == pytest.approx(mean) and mean > 0
 
 
-def test_tpot_leaves_out_one_token_requests(tmp_path: Path):
-    rows = request_rows(2, num_tokens=3)
-    rows[1].update(num_output_tokens=1, token_times="0.5")
-    r0 = rows[0]
+def test_tpot_leaves_out_one_token_requests(sim_model_dir, tmp_path: Path):
+    rows = sim_rows(sim_model_dir, tmp_path / "run", 2, num_tokens=3)
+    rows[1].update(num_output_tokens="1", token_times="0.5")
+    r0 = {k: float(rows[0][k]) for k in ("e2e_s", "ttft_s")}
     req = request_summary(rows_csv(tmp_path / "r.csv", rows))
     assert req["tpot_s"]["mean"] == pytest.approx((r0["e2e_s"] - r0["ttft_s"]) / 2)
     assert req["num_requests"] == 2
@@ -200,7 +251,7 @@ def test_trace(demo_run: Path):
     compute = [e for e in events if e["ph"] == "X" and e.get("cat") == "compute"]
     for s in range(2):
         mine = [e for e in compute if e["pid"] == pids[f"stage {s}"]]
-        assert sorted(e["args"]["mb"] for e in mine) == list(range(60))
+        assert sorted(e["args"]["mb"] for e in mine) == list(range(issued(demo_run)))
     for e in compute:
         assert e["dur"] >= 0 and isinstance(e["ts"], float)
         assert e["name"] == f"mb {e['args']['mb']} {e['args']['kind']}"
@@ -212,7 +263,7 @@ def test_trace(demo_run: Path):
     )
     assert steady == pytest.approx(summary["stages"][1]["idle_s"] * 1e6, rel=1e-9)
     issues = [e for e in events if e["ph"] == "i" and e["cat"] == "issue"]
-    assert len(issues) == 60 and all(e["pid"] == pids["scheduler"] for e in issues)
+    assert len(issues) == issued(demo_run) and all(e["pid"] == pids["scheduler"] for e in issues)
 
 
 # --- timeline.png ---------------------------------------------------------------------------
@@ -236,25 +287,28 @@ def test_ratio_text():
     )
 
 
-def two_runs(tmp_path: Path) -> tuple[Path, Path]:
-    """``sarathi``: 4 hybrids of equal cost; ``vllm``: decodes and prefills alternating
-    (stage 1 waits for each prefill after a decode: PB2)."""
+def two_runs(model_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """``sarathi``: eight prompts at once in chunks, every micro-batch 1 s on each stage
+    and 0.02 s of the driver's between them; ``vllm``: whole prompts of 2 s between decodes
+    of 0.5 s, one request a second (stage 1 waits for each prompt, the pipeline for the
+    tokens of the few requests there are)."""
     balanced = sim_run(
-        tmp_path / "sarathi",
-        [MB("hybrid", 6, 2)] * 4,
-        SimConfig(compute_s=lambda s, mb: 1.0, overhead_s=0.02),
-    )
-    costs = {"prefill": 2.0, "decode": 0.5}
-    mixed = sim_run(
-        tmp_path / "vllm",
-        [MB("decode", 0, 2), MB("prefill", 8)] * 2,
-        SimConfig(compute_s=lambda s, mb: costs[mb.kind]),
-    )
+        tmp_path / "sarathi", model_dir, sim_runs.requests([200] * 8, 6),
+        sim_runs.constant_s(1.0), overheads=Overheads(driver_s=0.02), chunk_size=128,
+    )  # fmt: skip
+    costs = {"prefill": 2.0, "decode": 0.5, "hybrid": 1.0}
+
+    def by_kind(s: int, mb) -> float:
+        return costs[mb.kind]
+
+    reqs = sim_runs.requests([64] * 4, 4, [0.0, 1.0, 2.0, 3.0])
+    mixed = sim_run(tmp_path / "vllm", model_dir, reqs, by_kind, scheduler="vllm")
+    assert {e.kind for e in load_log(mixed / "events.jsonl").stages[0]} == {"prefill", "decode"}
     return balanced, mixed
 
 
-def test_comparison_text(tmp_path: Path):
-    a, b = two_runs(tmp_path)
+def test_comparison_text(sim_model_dir, tmp_path: Path):
+    a, b = two_runs(sim_model_dir, tmp_path)
     sa, sb = write_report(a, plot=False), write_report(b, plot=False)
     fa, fb = sa["overall"]["bubble_fraction"], sb["overall"]["bubble_fraction"]
     assert fa > 0 and fb / fa > 2
@@ -282,8 +336,8 @@ def test_cli_one_run(demo_run: Path, capsys):
     assert {"summary.json", "trace.json", "timeline.png"} <= {p.name for p in demo_run.iterdir()}
 
 
-def test_cli_compares_runs(tmp_path: Path, capsys):
-    a, b = two_runs(tmp_path)
+def test_cli_compares_runs(sim_model_dir, tmp_path: Path, capsys):
+    a, b = two_runs(sim_model_dir, tmp_path)
     assert cli(str(a), str(b), "--no-write") == 0
     out = capsys.readouterr().out
     assert "bubble fraction sarathi" in out and "x fewer" in out
@@ -333,7 +387,8 @@ def test_a_last_line_cut_short_is_left_out(demo_run: Path):
     events = demo_run / "events.jsonl"
     full = write_report(demo_run, plot=False)
     lines = events.read_text().splitlines()
-    assert json.loads(lines[-1])["type"] == "done"  # the last micro-batch's return
+    # the scheduler's last wait, recorded once the last micro-batch's tokens were back
+    assert json.loads(lines[-1])["type"] == "idle" and json.loads(lines[-2])["type"] == "stage"
     events.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])  # no newline: torn
     with pytest.warns(UserWarning, match=rf"events.jsonl:{len(lines)}: left out a last line"):
         cut = write_report(demo_run, plot=False)
@@ -345,7 +400,9 @@ def test_a_last_line_cut_short_is_left_out(demo_run: Path):
 
 def test_bad_request_value(demo_run: Path):
     text = (demo_run / "requests.csv").read_text().splitlines()
-    text[2] = text[2].replace(",length,", ",length,", 1).replace(",0.05,", ",soon,", 1)
+    fields = text[2].split(",")  # the second request (no field of the engine's is quoted)
+    fields[REQUEST_COLUMNS.index("arrival_s")] = "soon"
+    text[2] = ",".join(fields)
     path = broken(demo_run, "requests.csv", "\n".join(text) + "\n")
     with pytest.raises(ValueError, match=r"requests.csv:3: column 'arrival_s': 'soon'"):
         write_report(demo_run)
@@ -357,13 +414,17 @@ def test_missing_run_dir(tmp_path: Path):
         write_report(tmp_path / "nope")
 
 
-def test_a_benchmark_folder_names_its_run_dirs(tmp_path: Path):
+def test_a_benchmark_folder_names_its_run_dirs(sim_model_dir, tmp_path: Path):
     """``bench``/``simulate --run-dir D`` write D/<scheduler>/ (and a capacity search
     D/<scheduler>/probes/rate-<r>/): ``report D`` names them instead of D's missing log."""
-    cfg = SimConfig(num_stages=2)
+
+    def one_run(d: Path, num_requests: int) -> Path:
+        reqs = sim_runs.requests([8] * num_requests, 1)
+        return sim_run(d, sim_model_dir, reqs, sim_runs.constant_s(0.01))
+
     for name in ("sarathi", "vllm"):
-        sim_run(tmp_path / "bench" / name, [MB("prefill", 8)] * 4, cfg)
-    probe = sim_run(tmp_path / "cap" / "sarathi" / "probes" / "rate-0.5", [MB("prefill", 8)], cfg)
+        one_run(tmp_path / "bench" / name, 4)
+    probe = one_run(tmp_path / "cap" / "sarathi" / "probes" / "rate-0.5", 1)
     (tmp_path / "bench" / "comparison.json").write_text("{}")
     for d, inner in (
         (tmp_path / "bench", [tmp_path / "bench" / "sarathi", tmp_path / "bench" / "vllm"]),

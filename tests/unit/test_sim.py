@@ -635,3 +635,39 @@ def test_scheduling_ahead_takes_the_driver_off_the_loop(model_dir: Path, tmp_pat
     assert ahead
     for i in ahead:
         assert first[i.mb].compute_start >= last[i.ring].compute_end
+
+
+def test_scripted_costs_and_the_stages_handoff(sim_model_dir: Path, tmp_path: Path):
+    """``ScriptedCostModel``: the stated times, stage by stage; ``Overheads.handoff_s``:
+    each stage hands its output on for that long after computing (``send_end``) and takes
+    the next micro-batch after it; the next stage has it a send later."""
+    import sim_runs
+
+    from sarathi_pp.sim.cost_model import ScriptedCostModel
+    from sarathi_pp.sim.executor import Overheads
+
+    def by_stage(s: int, mb: MicroBatch) -> float:
+        return 1.0 + s  # stage 0: 1 s, stage 1: 2 s
+
+    d = sim_runs.run(
+        tmp_path / "run", sim_model_dir, sim_runs.requests([128] * 2, 1),
+        by_stage, send_s=0.5, return_s=0.125, overheads=Overheads(handoff_s=0.25),
+        chunk_size=128,
+    )  # fmt: skip
+    log = load_log(d / "events.jsonl")
+    times = [
+        [(e.input_ready, e.compute_start, e.compute_end, e.send_end) for e in stage]
+        for stage in log.stages
+    ]
+    assert times[0] == [(0.0, 0.0, 1.0, 1.25), (0.0, 1.25, 2.25, 2.5)]
+    assert times[1] == [(1.75, 1.75, 3.75, 4.0), (3.0, 4.0, 6.0, 6.25)]
+    assert dict(log.dones) == {0: 4.125, 1: 6.375}  # the last handoff + the return
+    model = ScriptedCostModel(3, by_stage, send_s=0.5, return_s=0.125)
+    chunk = ScheduledChunk(0, 0, tuple(range(8)), True, (0,), SamplingParams(), 0)
+    cost = model.costs(MicroBatch(0, (chunk,)))
+    assert cost.compute_s == (1.0, 2.0, 3.0) and cost.send_s == (0.5, 0.5, 0.0)
+    assert cost.return_s == 0.125
+    with pytest.raises(ValueError, match="send_s must be a number >= 0"):
+        ScriptedCostModel(2, by_stage, send_s=-1.0)
+    with pytest.raises(ValueError, match="handoff_s must be a number >= 0"):
+        Overheads(handoff_s=-0.1)

@@ -1,15 +1,16 @@
 """What timeline.png draws, as values: fill and drain apart from the classes, a legend of
-what occurs, bubble colours apart from the micro-batch kinds'."""
+what occurs, bubble colours apart from the micro-batch kinds' (on hand-made logs and
+simulated runs, ``tests/sim_runs.py``)."""
 
 from __future__ import annotations
 
 import pytest
+import sim_runs
 from matplotlib.colors import to_rgb
 from test_bubbles import header, st
 
 from sarathi_pp.report.bubbles import BUBBLE_CLASSES, analyze
-from sarathi_pp.report.log import parse_log
-from sarathi_pp.report.synthetic import SimConfig, mixed_compute_s, mixed_workload, simulate
+from sarathi_pp.report.log import IDLE_REASONS, parse_log
 from sarathi_pp.report.timeline import (
     CLASS_COLORS,
     KIND_COLORS,
@@ -17,6 +18,7 @@ from sarathi_pp.report.timeline import (
     draw_timeline,
     legend_entries,
 )
+from sarathi_pp.sim.executor import Overheads
 
 
 def three_prefills() -> list[dict]:
@@ -40,13 +42,16 @@ def test_fill_and_drain_are_not_drawn_as_pb1():
     assert labels == ["prefill micro-batch", "fill / drain (idle outside the window)"]
 
 
-def test_legend_lists_what_is_drawn():
-    records = simulate(
-        mixed_workload(40, 1),
-        SimConfig(compute_s=mixed_compute_s, send_s=2e-4, transfer_s=3e-4, overhead_s=5e-4,
-                  idle_before={7: ("no_work", 0.01)}, return_s=1e-3, driver_records=True),
+def test_legend_lists_what_is_drawn(sim_model_dir, tmp_path):
+    # a mixed load with a pause in the arrivals (the scheduler idles for want of work, and
+    # for tokens in flight), the runtime's overheads, sends and the tokens' return
+    reqs = sim_runs.mixed_requests(10, seed=1, pause=(5, 0.5))
+    d = sim_runs.run(
+        tmp_path / "run", sim_model_dir, reqs,
+        sim_runs.mixed_compute_s, send_s=3e-4, return_s=1e-3, chunk_size=256,
+        overheads=Overheads(driver_s=3e-4, dispatch_s=2e-4, handoff_s=2e-4),
     )  # fmt: skip
-    log = parse_log(records, "x")
+    log = parse_log(sim_runs.events(d), "x")
     a = analyze(log)
     entries = legend_entries(log, a)
     drawn = {label for s in range(2) for *_, label in bubble_bars(a, s)}
@@ -55,10 +60,14 @@ def test_legend_lists_what_is_drawn():
     shown = {key for _, key in entries}
     assert {c for c in BUBBLE_CLASSES if c in drawn} <= shown
     assert not {c for c in BUBBLE_CLASSES if c not in drawn} & shown  # none that never occurs
-    assert (
-        "idle:no_work" in shown and "idle:dependency" not in shown and "idle:recovery" not in shown
-    )
+    # the scheduler's idle reasons that occur, and only those (a real engine always has
+    # tokens in flight to wait for: dependency; no stage was lost: never recovery)
+    reasons = {i.reason for i in log.idles if i.end > i.start}
+    assert reasons == {"no_work", "dependency"}
+    assert {k for k in shown if k.startswith("idle:")} == {f"idle:{r}" for r in reasons}
+    assert "idle:recovery" not in shown and "recovery" in IDLE_REASONS
     assert {k for k in KIND_COLORS if k in shown} == {e.kind for e in log.stages[0]}
+    assert {e.kind for e in log.stages[0]} == {"prefill", "decode", "hybrid"}
 
 
 def _distance(a: str, b: str) -> float:
@@ -74,8 +83,13 @@ def test_colours():
 
 
 @pytest.mark.parametrize("driver_records", [True, False])
-def test_draws(tmp_path, driver_records):
-    records = simulate(mixed_workload(12, 2), SimConfig(driver_records=driver_records))
+def test_draws(sim_model_dir, tmp_path, driver_records):
+    d = sim_runs.run(tmp_path / "run", sim_model_dir, sim_runs.mixed_requests(4, seed=2),
+                     sim_runs.constant_s(0.01), return_s=1e-3, chunk_size=256)  # fmt: skip
+    records = sim_runs.events(d)
+    if not driver_records:
+        records = sim_runs.older_schema(records)
     log = parse_log(records, "x")
+    assert bool(log.waits) is driver_records
     draw_timeline(log, analyze(log), tmp_path / "t.png", title="t")
     assert (tmp_path / "t.png").stat().st_size > 1000
