@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,9 @@ from sarathi_pp.config import (
     EngineConfig,
     SchedulerConfig,
 )
-from sarathi_pp.engine.input_processor import InputProcessor, arrival_or_now, as_token_ids
+from sarathi_pp.engine.input_processor import InputProcessor, ProcessedRequest, RequestInput
 from sarathi_pp.engine.output_processor import OutputProcessor
+from sarathi_pp.engine.parallel_sampling import ParentRequest
 from sarathi_pp.engine.pipeline_faults import PipelineFaults
 from sarathi_pp.engine.recorder import NullRecorder, Recorder, RunRecorder
 from sarathi_pp.executors import Executor, create_executor
@@ -86,7 +87,8 @@ class LLMEngine(PipelineFaults):
                 config.model.path,
                 REAL_BUILTIN_MODEL,
             )
-        self._requests: dict[str, Sequence] = {}
+        self._requests: dict[str, Sequence] = {}  # engine request id -> its sequence
+        self._parents: dict[str, ParentRequest] = {}  # child id -> its parent (n > 1)
         eos_ids = self.inputs.eos_token_ids()
         self.outputs = OutputProcessor(self.tokenizer, eos_ids, self.max_model_len)
         self.recorder: Recorder = NullRecorder()
@@ -181,6 +183,42 @@ class LLMEngine(PipelineFaults):
         kv_capacity = self.num_kv_blocks * self.block_size
         self.inputs.validate(token_ids, where, kv_capacity, max_unchunked, s.policy)
 
+    def add_requests(self, requests: Iterable[RequestInput]) -> list[ProcessedRequest]:
+        """The front door: every request of the call checked (``InputProcessor.process``:
+        chat rendering, tokenizing, truncation, validation), then all of them queued, or
+        none: a bad one raises before any is added (``TypeError``, or a ``ValueError`` that
+        names the request and, as ``.param``, its field), and a failure while adding
+        (``QueueFullError``) takes back those added. A request of ``n > 1`` completions is a
+        parent of ``n`` engine requests whose outputs ``step`` hands out merged
+        (``engine/parallel_sampling.py``). Returns what was queued, in order."""
+        self._check_alive()
+        requests = list(requests)
+        ids = [r.request_id for r in requests]
+        for request_id in ids:
+            if not isinstance(request_id, str):
+                raise TypeError(f"request ids are strings, got {request_id!r}")
+            if ids.count(request_id) > 1 or self._in_use(request_id):
+                raise ValueError(f"request id {request_id!r} is already in use")
+        now = self.now()
+        processed = [self.inputs.process(r, self.validate_prompt, now) for r in requests]
+        added: list[str] = []
+        try:
+            for req in processed:
+                if req.params.n == 1:
+                    self._add_sequence(req.request_id, req, req.params)
+                    added.append(req.request_id)
+                    continue
+                parent = ParentRequest(req.request_id, req.params)
+                for child_id, child_params in parent.children:
+                    self._add_sequence(child_id, req, child_params)
+                    added.append(child_id)
+                    self._parents[child_id] = parent
+        except BaseException:
+            for request_id in added:  # nothing of the call outlives its failure
+                self.abort(request_id)
+            raise
+        return processed
+
     def add_request(
         self,
         request_id: str,
@@ -189,39 +227,42 @@ class LLMEngine(PipelineFaults):
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        self._check_alive()
-        if params.n != 1:
-            raise ValueError(
-                f"request {request_id!r}: the engine runs one completion per request (n=1), "
-                f"got n={params.n}; LLM.generate and the server run n > 1 as n requests "
-                "(engine/parallel_sampling.py)"
-            )
+        """vLLM's one-request call: ``add_requests`` with one request (``prompt_token_ids``
+        given: those tokens, ``prompt`` their text)."""
+        given: Any = prompt
+        if prompt_token_ids is not None:
+            given = {"prompt_token_ids": prompt_token_ids, "prompt": prompt}
+        elif not isinstance(prompt, str):
+            raise TypeError(f"request {request_id!r}: prompt must be a string, got {prompt!r}")
+        self.add_requests([RequestInput(request_id, params, given, arrival_time=arrival_time)])
+
+    def _in_use(self, request_id: str) -> bool:
         if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            return True
+        return any(p.request_id == request_id for p in self._parents.values())
+
+    def _add_sequence(self, request_id: str, req: ProcessedRequest, params: SamplingParams) -> None:
         self.scheduler.check_room()  # QueueFullError at scheduler.max_waiting
-        where = f"request {request_id!r}"
-        token_ids = self.inputs.request_tokens(request_id, prompt, params, prompt_token_ids)
-        token_ids = as_token_ids(token_ids, where)  # plain ints, never True, to the scheduler
-        token_ids = self.inputs.truncated(token_ids, params)
-        self.validate_prompt(token_ids, where)
-        params = self.inputs.with_bad_words(params, where)
-        self.inputs.check_params(params, where)
-        arrival = arrival_or_now(arrival_time, self.now())  # ValueError: not on our clock
         seq_id = next(self._seq_ids)
         params = self.inputs.seeded(params, seq_id)
-        seq = Sequence(seq_id, request_id, token_ids, params, arrival, prompt=prompt)
+        seq = Sequence(
+            seq_id, request_id, list(req.token_ids), params, req.arrival_time, prompt=req.text
+        )
         self._requests[request_id] = seq
         self.outputs.add(seq)
-        self.recorder.added(arrival)
+        self.recorder.added(req.arrival_time)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
-        """End the request; its final output (``finish_reason="abort"``) comes with the next
-        ``step()``. Its blocks are freed at once, or when its micro-batch in flight is done."""
-        seq = self._requests.get(request_id)
-        if seq is not None and not seq.is_finished:
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED, self.now())
-            self._aborted.append(self._output(seq))
+        """End the request (a parent of ``n > 1``: every completion); its final output
+        (``finish_reason="abort"``) comes with the next ``step()``. Its blocks are freed at
+        once, or when its micro-batch in flight is done."""
+        children = [c for c, p in self._parents.items() if p.request_id == request_id]
+        for child_id in children or [request_id]:
+            seq = self._requests.get(child_id)
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED, self.now())
+                self._aborted.append(self._output(seq))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._inflight)
@@ -260,7 +301,7 @@ class LLMEngine(PipelineFaults):
             return self._take_aborted()
         if not self.has_unfinished_requests():  # idle for want of work until the next request
             self.recorder.idle(self.now(), IDLE_NO_WORK)
-        return self._take_aborted() + outputs
+        return _latest_per_parent(self._take_aborted() + outputs)
 
     def _inflight_limit(self, now: float) -> int:
         """Micro-batches that may be in flight now: ``max_inflight``, or fewer while only
@@ -269,7 +310,7 @@ class LLMEngine(PipelineFaults):
 
     def _take_aborted(self) -> list[RequestOutput]:
         aborted, self._aborted = self._aborted, []
-        return aborted
+        return _latest_per_parent(aborted)
 
     def _issue(self) -> None:
         """Issue every micro-batch the scheduler can, up to the in-flight limit."""
@@ -328,11 +369,19 @@ class LLMEngine(PipelineFaults):
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, now)
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        """``seq``'s output; for a child of a parent request, the parent's (merged)."""
         out = self.outputs.output(seq)
         if seq.is_finished:
             self._requests.pop(seq.request_id, None)
             self.recorder.finished(out)
-        return out
+        parent = self._parents.get(seq.request_id)
+        if parent is None:
+            return out
+        merged = parent.update(out)
+        if parent.finished:
+            for child_id in parent.child_ids:
+                self._parents.pop(child_id, None)
+        return merged
 
     # --- records -------------------------------------------------------------------------
     def start_run(self, run_dir: str | Path, overwrite: bool = False) -> None:
@@ -357,3 +406,12 @@ class LLMEngine(PipelineFaults):
         self.executor.shutdown()
         if self.dead_reason is None:
             self.dead_reason = "it was shut down (LLM.shutdown / LLMEngine.shutdown)"
+
+
+def _latest_per_parent(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """``outputs`` with only the last of several outputs of one request (a parent's
+    children may all have news in one step: the parent's last merged output has it all)."""
+    last = {out.request_id: i for i, out in enumerate(outputs)}
+    if len(last) == len(outputs):
+        return outputs
+    return [out for i, out in enumerate(outputs) if last[out.request_id] == i]
