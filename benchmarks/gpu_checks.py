@@ -32,8 +32,8 @@ import torch
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
 from sarathi_pp.model_spec import spec_from_dict
 from sarathi_pp.stages.model.attention import ATTENTION_BACKENDS, select_backend
-from sarathi_pp.stages.model.kv_cache import KVCache
 from sarathi_pp.stages.model.decoder_layer import DecoderLayer, layer_ops
+from sarathi_pp.stages.model.kv_cache import KVCache
 from sarathi_pp.stages.model.rope import RotaryEmbedding
 from sarathi_pp.stages.worker.metadata import build_metadata
 

@@ -289,7 +289,7 @@ class RunConfig:
     """``events.jsonl``'s form for completed micro-batches: ``false`` one ``done`` record and
     one ``stage`` record per stage; ``true`` one ``microbatch`` record each (the same
     fields); ``auto`` the first form for the first 2,000 micro-batches, then the compact
-    one (``sarathi_pp/events.py``)."""
+    one (``sarathi_pp/records/events.py``)."""
 
     def __post_init__(self) -> None:
         if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):

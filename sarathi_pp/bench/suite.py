@@ -31,8 +31,8 @@ from sarathi_pp.bench.runner import serve_run
 from sarathi_pp.bench.workload import BenchRequest, Workload
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.placement import Placement
+from sarathi_pp.records.run_dir import BenchDir, RunDir
 from sarathi_pp.report.request_metrics import load_requests, request_summary
-from sarathi_pp.run_dir import BenchDir, RunDir
 
 PEERS = ("hf",)
 PEER_SUMMARY_VERSION = 1

@@ -2,9 +2,10 @@
 
 One ``step()`` issues every micro-batch the scheduler can issue (up to the in-flight limit:
 the number of pipeline stages by default), waits for the oldest in flight and applies its
-sampled tokens. Around the loop: ``InputProcessor`` (tokenizer, prompt checks),
-``OutputProcessor`` (stop checks, text, ``RequestOutput``), a recorder (the run dir's
-records, or nothing) and ``PipelineFaults`` (failed steps). The loop imports no torch:
+sampled tokens. Around the loop: ``InputProcessor`` (the front door's checks,
+``add_requests``), ``OutputProcessor`` (stop checks, text, ``RequestOutput``), the
+observers (``records/observer.py``: the run dir's recorder first, then any given) and
+``PipelineFaults`` (failed steps). The loop imports no torch:
 executors are reached by name (``executors.create_executor``).
 """
 
@@ -29,14 +30,16 @@ from sarathi_pp.engine.input_processor import InputProcessor, ProcessedRequest, 
 from sarathi_pp.engine.output_processor import OutputProcessor
 from sarathi_pp.engine.parallel_sampling import ParentRequest
 from sarathi_pp.engine.pipeline_faults import PipelineFaults
-from sarathi_pp.engine.recorder import NullRecorder, Recorder, RunRecorder
 from sarathi_pp.executors import Executor, create_executor
 from sarathi_pp.interrupts import deferred_interrupts
 from sarathi_pp.microbatch import MicroBatch, StepResult
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.placement.partition import check_num_stages
 from sarathi_pp.planner.memory import engine_decode_batch, num_kv_blocks
-from sarathi_pp.run_dir import RunDir
+from sarathi_pp.records.observer import Observer, Observers
+from sarathi_pp.records.recorder import NullRecorder, RunRecorder
+from sarathi_pp.records.run_dir import RunDir
+from sarathi_pp.report import write_report
 from sarathi_pp.sampling_params import SamplingParams
 from sarathi_pp.scheduler import Scheduler, create_scheduler
 from sarathi_pp.scheduler.base import IDLE_DEPENDENCY, IDLE_NO_WORK
@@ -56,9 +59,12 @@ class LLMEngine(PipelineFaults):
         config: EngineConfig,
         executor: str | ExecutorFactory | None = None,
         clock: Callable[[], float] = time.monotonic,
+        observers: Iterable[Observer] = (),
     ) -> None:
         """``executor``: a registry name (default: the config's) or a factory;
-        ``clock``: the engine's time (``time.monotonic``; the simulator's virtual clock)."""
+        ``clock``: the engine's time (``time.monotonic``; the simulator's virtual clock);
+        ``observers``: told what the loop does (``records/observer.py``), after the run
+        dir's recorder."""
         self._clock = clock
         run_dir = None
         if config.run.run_dir is not None:  # refuse a used run dir before any work
@@ -91,10 +97,14 @@ class LLMEngine(PipelineFaults):
         self._parents: dict[str, ParentRequest] = {}  # child id -> its parent (n > 1)
         eos_ids = self.inputs.eos_token_ids()
         self.outputs = OutputProcessor(self.tokenizer, eos_ids, self.max_model_len)
-        self.recorder: Recorder = NullRecorder()
+        self.recorder: RunRecorder | NullRecorder = NullRecorder()
         if run_dir is not None:
             overwrite = config.run.overwrite
-            self.recorder = RunRecorder(run_dir, self.resolved_config, self.now(), overwrite)
+            self.recorder = RunRecorder(
+                run_dir, self.resolved_config, self.now(), overwrite, write_report
+            )
+        # What the loop tells: the recorder first (its log is the run's record), then the rest.
+        self.observe = Observers([self.recorder, *observers])
 
     def _init_cache_and_scheduler(self, config: EngineConfig) -> None:
         self.placement = self.executor.placement  # device, dtype, threads, M_G, block size
@@ -121,6 +131,10 @@ class LLMEngine(PipelineFaults):
     model_dir = property(lambda self: self.checkpoint.path)
     max_model_len = property(lambda self: self.checkpoint.max_model_len)
     run_dir = property(lambda self: self.recorder.path)
+
+    def add_observer(self, observer: Observer) -> None:
+        """Tell ``observer`` what the loop does from now on (after those already told)."""
+        self.observe.observers.append(observer)
 
     @property
     def resolved_config(self) -> EngineConfig:
@@ -250,7 +264,7 @@ class LLMEngine(PipelineFaults):
         )
         self._requests[request_id] = seq
         self.outputs.add(seq)
-        self.recorder.added(req.arrival_time)
+        self.observe.added(req.arrival_time)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
@@ -300,7 +314,7 @@ class LLMEngine(PipelineFaults):
             self._on_step_failure(e)  # re-raises unless a lost stage was replaced
             return self._take_aborted()
         if not self.has_unfinished_requests():  # idle for want of work until the next request
-            self.recorder.idle(self.now(), IDLE_NO_WORK)
+            self.observe.idle(self.now(), IDLE_NO_WORK)
         return _latest_per_parent(self._take_aborted() + outputs)
 
     def _inflight_limit(self, now: float) -> int:
@@ -324,22 +338,22 @@ class LLMEngine(PipelineFaults):
             # two stages' submissions would leave one stage a micro-batch behind the other
             # on their activation channel (the next run's micro-batch would meet a stale one).
             with deferred_interrupts():
-                self.recorder.before_schedule(now, self.scheduler)
+                self.observe.before_schedule(now, self.scheduler)
                 microbatch = self.scheduler.schedule(now, ring_upto)
                 if microbatch is None:
-                    self.recorder.idle(now, self.scheduler.idle_reason)
+                    self.observe.idle(now, self.scheduler.idle_reason)
                     return
-                self.recorder.issued(microbatch, now, submit=self.now())
+                self.observe.issued(microbatch, now, submit=self.now())
                 self._inflight.append(microbatch)
                 self.executor.submit(microbatch)
         # the in-flight limit holds the next micro-batch back
-        self.recorder.idle(self.now(), IDLE_DEPENDENCY)
+        self.observe.idle(self.now(), IDLE_DEPENDENCY)
 
     def _apply(
         self, microbatch: MicroBatch, result: StepResult, wait: float, full: bool
     ) -> list[RequestOutput]:
         now = self.now()
-        self.recorder.completed(microbatch, result, now, wait=wait, full=full)
+        self.observe.completed(microbatch, result, now, wait=wait, full=full)
         for seq_id, plp in result.prompt_logprobs.items():  # before the chunk's token
             if (seq := self.scheduler.seqs.get(seq_id)) is not None:
                 seq.add_prompt_logprobs(plp.first, plp.tokens)
@@ -373,7 +387,7 @@ class LLMEngine(PipelineFaults):
         out = self.outputs.output(seq)
         if seq.is_finished:
             self._requests.pop(seq.request_id, None)
-            self.recorder.finished(out)
+            self.observe.finished(out)
         parent = self._parents.get(seq.request_id)
         if parent is None:
             return out
@@ -392,7 +406,9 @@ class LLMEngine(PipelineFaults):
             raise RuntimeError("start_run needs an idle engine (requests are unfinished)")
         self.recorder.close()
         run = RunDir.check(run_dir, overwrite)
-        self.recorder = RunRecorder(run, self.resolved_config, self.now(), overwrite)
+        recorder = RunRecorder(run, self.resolved_config, self.now(), overwrite, write_report)
+        self.observe.observers[self.observe.observers.index(self.recorder)] = recorder
+        self.recorder = recorder
 
     def write_run_records(self) -> dict[str, Any] | None:
         """Write the run dir's records (``requests.csv``, ``events.jsonl``) and rebuild the

@@ -23,8 +23,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from sarathi_pp.events import SCHEMA_VERSION
-from sarathi_pp.run_dir import REQUEST_COLUMNS, RunDir
+from sarathi_pp.records.events import SCHEMA_VERSION
+from sarathi_pp.records.run_dir import REQUEST_COLUMNS, RunDir
 
 
 @dataclass(frozen=True)

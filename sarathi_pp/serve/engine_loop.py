@@ -49,33 +49,6 @@ class Sink:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-class _StageTimes:
-    """The engine's recorder, also handing the loop's records to the metrics: each completed
-    micro-batch's stage timings, and every record to the bubble window (the engine's own
-    outputs carry no stage timings)."""
-
-    def __init__(self, recorder: Any, metrics: ServerMetrics, window: BubbleWindow) -> None:
-        self.recorder = recorder
-        self.metrics = metrics
-        self.window = window
-
-    def idle(self, now: float, reason: str | None) -> None:
-        self.recorder.idle(now, reason)
-        self.window.idle(now, reason)
-
-    def issued(self, microbatch: Any, now: float, **timing: Any) -> None:
-        self.recorder.issued(microbatch, now, **timing)
-        self.window.issued(microbatch, now, **timing)
-
-    def completed(self, microbatch: Any, result: Any, now: float, **timing: Any) -> None:
-        self.recorder.completed(microbatch, result, now, **timing)
-        self.metrics.stage_events(result.events)
-        self.window.completed(microbatch, result, now, **timing)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.recorder, name)
-
-
 class EngineLoop:
     def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
@@ -85,7 +58,9 @@ class EngineLoop:
         t0 = events.t0 if events is not None else engine.now()
         window = BubbleWindow(engine.config.parallel.pipeline_parallel_size, t0, engine.now)
         self.metrics.watch_bubbles(window)
-        engine.recorder = _StageTimes(engine.recorder, self.metrics, window)
+        # Observers of the loop: stage times and finished requests, and the bubble window.
+        engine.add_observer(self.metrics)
+        engine.add_observer(window)
         self._commands: queue.Queue[tuple[Callable[[Any], Any], Future]] = queue.Queue()
         self._sinks: dict[str, Sink] = {}  # request id -> sink; engine thread only
         self._stop = threading.Event()
@@ -206,7 +181,6 @@ class EngineLoop:
             sink = self._sinks.get(out.request_id)
             if out.finished:
                 self._sinks.pop(out.request_id, None)
-                self.metrics.finished(out)
             if sink is not None:
                 sink.put(out)
         self.metrics.engine_state(self.engine)
