@@ -8,7 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sarathi_pp.config import EngineConfig, load_config, make_config
+from sarathi_pp.config import EngineConfig, make_config
+from sarathi_pp.config_file import load_config
 from sarathi_pp.engine import LLMEngine
 from sarathi_pp.engine.input_processor import Prompt, RequestInput
 from sarathi_pp.outputs import RequestOutput

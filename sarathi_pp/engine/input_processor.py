@@ -19,8 +19,8 @@ from typing import Any
 
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import ModelConfig
+from sarathi_pp.engine.tokenizer import has_tokenizer, load_tokenizer
 from sarathi_pp.sampling_params import SamplingParams, SamplingParamsError
-from sarathi_pp.tokenizer import has_tokenizer, load_tokenizer
 
 # A prompt as the front ends take it (vLLM's): text, token ids, or a dict
 # (``{"prompt": text}``, or ``{"prompt_token_ids": [...]}`` with an optional "prompt").

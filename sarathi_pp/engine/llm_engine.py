@@ -5,7 +5,7 @@ the number of pipeline stages by default), waits for the oldest in flight and ap
 sampled tokens. Around the loop: ``InputProcessor`` (the front door's checks,
 ``add_requests``), ``OutputProcessor`` (stop checks, text, ``RequestOutput``), the
 observers (``records/observer.py``: the run dir's recorder first, then any given) and
-``PipelineFaults`` (failed steps). The loop imports no torch:
+``PipelineRecovery`` (failed steps). The loop imports no torch:
 executors are reached by name (``executors.create_executor``).
 """
 
@@ -29,7 +29,7 @@ from sarathi_pp.config import (
 from sarathi_pp.engine.input_processor import InputProcessor, ProcessedRequest, RequestInput
 from sarathi_pp.engine.output_processor import OutputProcessor
 from sarathi_pp.engine.parallel_sampling import ParentRequest
-from sarathi_pp.engine.pipeline_faults import PipelineFaults
+from sarathi_pp.engine.recovery import PipelineRecovery
 from sarathi_pp.executors import Executor, create_executor
 from sarathi_pp.interrupts import deferred_interrupts
 from sarathi_pp.microbatch import MicroBatch, StepResult
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 ExecutorFactory = Callable[[EngineConfig, Any], Executor]
 
 
-class LLMEngine(PipelineFaults):
+class LLMEngine(PipelineRecovery):
     def __init__(
         self,
         config: EngineConfig,

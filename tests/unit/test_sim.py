@@ -173,7 +173,7 @@ def test_bad_hardware_files(tmp_path: Path):
 
 
 def test_shipped_model_configs_load():
-    from sarathi_pp.model_spec import load_model_spec
+    from sarathi_pp.checkpoint import load_model_spec
 
     models = Path(__file__).resolve().parents[2] / "configs" / "models"
     sizes = {d.name: load_model_spec(d).num_params() / 1e9 for d in models.iterdir()}

@@ -37,7 +37,7 @@ class EngineDeadError(RuntimeError):
     """The engine lost its pipeline for good; the message says why."""
 
 
-class PipelineFaults:
+class PipelineRecovery:
     """Mixed into ``LLMEngine``: the state it keeps in step when a step fails."""
 
     config: EngineConfig
