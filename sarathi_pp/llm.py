@@ -190,11 +190,11 @@ class LLM:
 def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    prompts = list(prompts)
-    if not prompts:
+    items: list[Any] = list(prompts)
+    if not items:
         raise ValueError("no prompts given")
-    if all(isinstance(t, numbers.Integral) for t in prompts):
+    if all(isinstance(t, numbers.Integral) for t in items):
         # One prompt given as token ids (numpy's too); a bool among them is refused later,
         # naming its position.
-        return [prompts]
-    return prompts
+        return [items]
+    return items

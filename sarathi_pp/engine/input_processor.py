@@ -171,6 +171,7 @@ class InputProcessor:
         ``SamplingParamsError`` naming the field otherwise). ``validate(token_ids, where)``:
         the engine's check that the prompt can run at all (``LLMEngine.validate_prompt``)."""
         where, params = request.name, request.params
+        text: str | None
         if not isinstance(params, SamplingParams):
             raise TypeError(f"{where}: params must be SamplingParams, got {type(params).__name__}")
         if request.messages is not None:

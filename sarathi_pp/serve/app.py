@@ -22,8 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sarathi_pp.engine import EngineDeadError
+from sarathi_pp.engine import EngineDeadError, LLMEngine
 from sarathi_pp.engine.input_processor import RequestInput
+from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.scheduler.base import QueueFullError
 from sarathi_pp.serve import protocol as p
 from sarathi_pp.serve.engine_loop import EngineFailure, EngineLoop, Sink
@@ -120,7 +121,7 @@ class _Routes:
         req = p.tokenize_request(await _json_body(request))
         self._check_model(req.model)
 
-        def run(engine: Any) -> dict[str, Any]:  # on the engine thread: it owns the tokenizer
+        def run(engine: LLMEngine) -> dict[str, Any]:  # on the engine thread: it owns the tokenizer
             if req.messages is not None:
                 _, tokens = render_chat(engine, req.messages)
             else:
@@ -138,7 +139,7 @@ class _Routes:
         model, tokens = p.detokenize_request(await _json_body(request))
         self._check_model(model)
 
-        def run(engine: Any) -> dict[str, Any]:
+        def run(engine: LLMEngine) -> dict[str, Any]:
             if engine.tokenizer is None:
                 raise p.bad_request(f"model folder {engine.model_dir!r} has no tokenizer", "tokens")
             vocab = engine.spec.vocab_size
@@ -152,7 +153,7 @@ class _Routes:
 
         return JSONResponse(await self._on_engine(run))
 
-    async def _on_engine(self, fn: Callable[[Any], Any]) -> Any:
+    async def _on_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
         try:
             return await asyncio.wrap_future(self.engine_loop.call(fn))
         except EngineFailure as e:
@@ -189,7 +190,7 @@ class _Routes:
         answer = _Answer([r.request_id for r in inputs], req.params.n)
         answer.echo_only = req.echo_only
 
-        def add(engine: Any) -> None:  # on the engine thread: it owns the tokenizer
+        def add(engine: LLMEngine) -> None:  # on the engine thread: it owns the tokenizer
             added = engine.add_requests(inputs)  # every prompt or none
             if req.echo:  # token id prompts echo as text
                 answer.echo = [
@@ -208,7 +209,7 @@ class _Routes:
             max_tokens_must_fit=req.max_tokens is not None,
         )  # fmt: skip
 
-        def add(engine: Any) -> None:  # on the engine thread: it owns the tokenizer
+        def add(engine: LLMEngine) -> None:  # on the engine thread: it owns the tokenizer
             engine.add_requests([chat])
 
         answer = _Answer([request_id], req.params.n)
@@ -220,7 +221,7 @@ class _Routes:
         req: GenerateRequest,
         request_id: str,
         answer: _Answer,
-        add: Callable[[Any], None],
+        add: Callable[[LLMEngine], None],
         chat: bool,
     ) -> Response:
         """Add the engine requests of ``answer`` (``add``: through the engine's front door,
@@ -289,8 +290,8 @@ class _Routes:
         try:
             if chat:
                 for index in range(answer.num_choices):
-                    delta = {"role": "assistant"}
-                    yield _sse(p.chat_chunk(request_id, self.model, delta, None, index))
+                    role = {"role": "assistant"}
+                    yield _sse(p.chat_chunk(request_id, self.model, role, None, index))
             num_sent = [0] * answer.num_choices  # characters of each choice's text streamed
             tokens_sent = [0] * answer.num_choices  # and tokens (their log-probabilities)
             stops = req.params.stop
@@ -353,7 +354,7 @@ class _Routes:
         return p.completion_chunk(request_id, self.model, text, finish_reason, index, logprobs)
 
 
-def _text_of(engine: Any, token_id: int) -> str:
+def _text_of(engine: LLMEngine, token_id: int) -> str:
     """A token's text as log-probabilities show it (vLLM's ``token_id:<id>`` without a
     tokenizer)."""
     text = engine.token_text(token_id)
@@ -395,7 +396,7 @@ class _Answer:
         self.sent_end = [False] * self.num_choices  # streaming: the finish reason has been sent
         self.echo_only = False  # ``max_tokens: 0`` with echo: no completion tokens
 
-    def echoed_logprobs(self, prompt_idx: int, out: Any) -> dict[str, Any]:
+    def echoed_logprobs(self, prompt_idx: int, out: RequestOutput) -> dict[str, Any]:
         """The ``logprobs`` of prompt ``prompt_idx``'s echo (``out``: its output), its text
         offsets from 0; empty if the prompt's never came (the request failed first)."""
         if out.prompt_logprobs is None:
@@ -404,7 +405,7 @@ class _Answer:
             out.prompt_token_ids, out.prompt_logprobs, first_text=self.first_text[prompt_idx]
         )
 
-    def update(self, out: Any) -> int:
+    def update(self, out: RequestOutput) -> int:
         """Record ``out``; its prompt's index."""
         index = self._index[out.request_id]
         self._latest[index] = out
@@ -438,7 +439,7 @@ class _Answer:
         return p.usage(prompt_tokens, completion_tokens)
 
 
-def _done(out: Any) -> bool:
+def _done(out: RequestOutput) -> bool:
     return out is not None and out.finished
 
 
@@ -504,7 +505,7 @@ async def _json_body(request: Request) -> Any:
         raise p.bad_request(f"the request body is not valid JSON: {e}") from None
 
 
-def render_chat(engine: Any, messages: Any) -> tuple[str, list[int]]:
+def render_chat(engine: LLMEngine, messages: Any) -> tuple[str, list[int]]:
     """``/tokenize``'s chat: its prompt and token ids (``InputProcessor.render_chat``, the
     one place that renders chats, which the front door uses too); a model without a
     template, or messages it refuses, is a 400."""

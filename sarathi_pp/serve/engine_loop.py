@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from sarathi_pp.engine import LLMEngine
 from sarathi_pp.serve.bubble_window import BubbleWindow
 from sarathi_pp.serve.metrics import ServerMetrics
 
@@ -50,7 +51,7 @@ class Sink:
 
 
 class EngineLoop:
-    def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics or ServerMetrics()
         # The run dir's clock when there is one, so /metrics' interval reads against it.
@@ -61,7 +62,7 @@ class EngineLoop:
         # Observers of the loop: stage times and finished requests, and the bubble window.
         engine.add_observer(self.metrics)
         engine.add_observer(window)
-        self._commands: queue.Queue[tuple[Callable[[Any], Any], Future]] = queue.Queue()
+        self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], Future]] = queue.Queue()
         self._sinks: dict[str, Sink] = {}  # request id -> sink; engine thread only
         self._stop = threading.Event()
         self.accepting = True  # false once a stop began: new requests get a 503
@@ -71,7 +72,7 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def call(self, fn: Callable[[Any], Any]) -> Future:
+    def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
         """Run ``fn(engine)`` on the engine thread; its result or exception in the future."""
         future: Future = Future()
         if not self._thread.is_alive():
@@ -80,11 +81,11 @@ class EngineLoop:
             self._commands.put((fn, future))
         return future
 
-    def add(self, request_ids: list[str], sink: Sink, add: Callable[[Any], Any]) -> Future:
+    def add(self, request_ids: list[str], sink: Sink, add: Callable[[LLMEngine], Any]) -> Future:
         """Run ``add(engine)`` (which adds ``request_ids``, all or none); on success their
         outputs go to ``sink``."""
 
-        def fn(engine: Any) -> Any:
+        def fn(engine: LLMEngine) -> Any:
             result = add(engine)
             for request_id in request_ids:
                 self._sinks[request_id] = sink
@@ -101,7 +102,7 @@ class EngineLoop:
         """Stop accepting and abort every request in flight (the start of a graceful stop)."""
         self.accepting = False
 
-        def fn(engine: Any) -> None:
+        def fn(engine: LLMEngine) -> None:
             for request_id in list(self._sinks):
                 engine.abort(request_id)
 
@@ -158,7 +159,7 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _get(self) -> tuple[Callable[[Any], Any], Future]:
+    def _get(self) -> tuple[Callable[[LLMEngine], Any], Future]:
         return self._commands.get_nowait()
 
     def _drain_commands(self) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from sarathi_pp.engine import LLMEngine
+from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.records.observer import Observer
 from sarathi_pp.serve.bubble_window import BubbleCollector, BubbleWindow
 
@@ -71,7 +73,7 @@ class ServerMetrics(Observer):
         """Export the pipeline's bubbles over the last minute, computed at each scrape."""
         self.registry.register(BubbleCollector(window))
 
-    def finished(self, out: Any) -> None:
+    def finished(self, out: RequestOutput) -> None:
         """One finished engine request's ``RequestOutput`` (each completion of ``n > 1`` is
         its own engine request, as vLLM counts them)."""
         completion = out.outputs[0]
@@ -101,7 +103,7 @@ class ServerMetrics(Observer):
             self.stage_busy.labels(stage=stage).inc(max(0.0, e.compute_end - e.compute_start))
             self.stage_microbatches.labels(stage=stage).inc()
 
-    def engine_state(self, engine: Any) -> None:
+    def engine_state(self, engine: LLMEngine) -> None:
         scheduler = engine.scheduler
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))
