@@ -1,7 +1,8 @@
 """sarathi-pp: SARATHI (chunked prefills + decode-maximal batching) as a pipeline-parallel
 LLM inference runtime. The public surface is vLLM-shaped."""
 
-from sarathi_pp.config import EngineConfig, load_config
+from sarathi_pp.config import EngineConfig
+from sarathi_pp.config_file import load_config
 from sarathi_pp.engine import LLMEngine
 from sarathi_pp.llm import LLM
 from sarathi_pp.outputs import CompletionOutput, RequestMetrics, RequestOutput

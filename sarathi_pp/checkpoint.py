@@ -11,12 +11,13 @@ loop and the simulator stay torch-free.
 from __future__ import annotations
 
 import importlib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from sarathi_pp.config import BUILTIN_PREFIX, ModelConfig
-from sarathi_pp.model_spec import ModelSpec, load_model_spec
+from sarathi_pp.model_spec import ModelSpec, spec_from_dict
 
 BUILTIN_RESOLVER = "sarathi_pp.stages.loader.builtin:resolve_builtin"
 # A Hugging Face hub id: "org/name" (letters, digits, "-", "_", "."), not a local path.
@@ -89,3 +90,17 @@ def resolve_max_model_len(model: ModelConfig, spec: ModelSpec) -> int:
             f"set max_model_len <= {spec.sliding_window}"
         )
     return max_len
+
+
+def load_model_spec(model_dir: str | Path) -> ModelSpec:
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"model directory {str(d)!r} does not exist")
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"model directory {str(d)!r} has no config.json")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: not valid JSON: {e}") from e
+    return spec_from_dict(cfg, source=str(cfg_path))

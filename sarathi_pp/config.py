@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from sarathi_pp.faults import parse_faults
+from sarathi_pp.fault_injection import parse_faults
 
 GiB = 1 << 30
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -200,7 +197,7 @@ class ParallelConfig:
     """Ray: how many times a lost stage actor is replaced (new actors, weights reloaded,
     running requests recomputed) before the engine gives up with ``StageError``."""
     inject_fault: str | None = None
-    """Testing only: faults the stages inject (``sarathi_pp/faults.py`` has the format)."""
+    """Testing only: faults the stages inject (``sarathi_pp/fault_injection.py`` has the format)."""
     schedule_ahead: bool | str = "auto"
     """Build and hand over the next micro-batch while the last stage is still sampling the
     oldest one's tokens: its decodes of those tokens get their input token from the last
@@ -289,7 +286,7 @@ class RunConfig:
     """``events.jsonl``'s form for completed micro-batches: ``false`` one ``done`` record and
     one ``stage`` record per stage; ``true`` one ``microbatch`` record each (the same
     fields); ``auto`` the first form for the first 2,000 micro-batches, then the compact
-    one (``sarathi_pp/events.py``)."""
+    one (``sarathi_pp/records/events.py``)."""
 
     def __post_init__(self) -> None:
         if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):
@@ -421,25 +418,3 @@ def _apply(tree: dict[str, dict[str, Any]], overrides: dict[str, Any]) -> Engine
 def make_config(**overrides: Any) -> EngineConfig:
     """``EngineConfig`` from flat ``LLM(...)`` keywords (or ``section.key`` names)."""
     return _apply({}, overrides)
-
-
-def load_config(path: str | Path | None = None, **overrides: Any) -> EngineConfig:
-    """Read a YAML config; keyword overrides (flat or ``section.key``) win."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"config file {str(p)!r} does not exist")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"config file {str(p)!r} is not valid YAML: {e}") from e
-        if not isinstance(tree, dict):
-            raise ValueError(f"config file {str(p)!r} must hold a mapping of sections")
-        _build(tree)  # reject unknown keys of the file itself, naming them
-    return _apply(tree, overrides)
-
-
-def parse_set_value(text: str) -> Any:
-    """Parse the value of ``--set section.key=value`` as YAML (ints, bools, null, strings)."""
-    return yaml.safe_load(text) if text != "" else ""

@@ -8,16 +8,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sarathi_pp.config import EngineConfig, load_config, make_config
-from sarathi_pp.engine import LLMEngine, parallel_sampling
-from sarathi_pp.engine.input_processor import as_token_ids
+from sarathi_pp.config import EngineConfig, make_config
+from sarathi_pp.config_file import load_config
+from sarathi_pp.engine import LLMEngine
+from sarathi_pp.engine.input_processor import Prompt, RequestInput
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-# A prompt: text, {"prompt_token_ids": [...]} (vLLM's TokensPrompt) or a list of token ids.
-Prompt = str | dict | list
 
 
 class LLM:
@@ -65,7 +63,8 @@ class LLM:
         ``ValueError`` naming its index. A request that fails while running finishes with
         ``finish_reason == "error"`` in its own output; the others complete. With
         ``SamplingParams(n=k)`` a prompt's output has ``k`` completions (``index`` 0..k-1;
-        ``engine/parallel_sampling.py``).
+        ``engine/parallel_sampling.py``). Every request goes through the engine's one front
+        door, ``LLMEngine.add_requests``.
         ``on_finished(index, output)`` is called as each request finishes (in completion
         order; the CLI streams ``--output`` with it). If the call is interrupted (Ctrl-C) or
         the pipeline is lost, this call's unfinished requests are aborted (they leave the
@@ -73,25 +72,30 @@ class LLM:
         """
         items = _as_prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(items))
-        requests = [self._prepare(i, p, sp) for i, (p, sp) in enumerate(zip(items, params))]
-        groups: list[tuple[str, list[str]]] = []  # each prompt's id and its engine requests'
-        added: list[str] = []
+        requests = [
+            RequestInput(self._next_id(), sp, prompt, where=f"prompt {i}")
+            for i, (prompt, sp) in enumerate(zip(items, params))
+        ]
+        return self._generate(requests, use_tqdm, on_finished)
+
+    def _generate(
+        self,
+        requests: list[RequestInput],
+        use_tqdm: bool,
+        on_finished: Callable[[int, RequestOutput], None] | None,
+    ) -> list[RequestOutput]:
+        """Add ``requests`` (all or none: ``LLMEngine.add_requests``), run them to the end,
+        write the run's records; their outputs in order."""
         try:
-            for (text, token_ids), sp in zip(requests, params):
-                request_id = str(self._request_counter)
-                self._request_counter += 1
-                children = []
-                for child_id, child_params in parallel_sampling.child_requests(request_id, sp):
-                    self.engine.add_request(
-                        child_id, text, child_params, prompt_token_ids=token_ids
-                    )
-                    added.append(child_id)
-                    children.append(child_id)
-                groups.append((request_id, children))
-            outputs = self._run(groups, use_tqdm, on_finished)
+            self.engine.add_requests(requests)
         except BaseException:
-            for child_id in added:  # none of this call's requests outlives it
-                self.engine.abort(child_id)
+            self._request_counter -= len(requests)  # refused: their ids were never used
+            raise
+        try:
+            outputs = self._run([r.request_id for r in requests], use_tqdm, on_finished)
+        except BaseException:
+            for r in requests:  # none of this call's requests outlives it
+                self.engine.abort(r.request_id)
             raise
         try:  # with a run dir: the report over every request so far
             self.engine.write_run_records()
@@ -116,14 +120,17 @@ class LLM:
             conversations = list(messages)
         else:
             raise ValueError(f"messages must be a conversation or a list of them, got {messages!r}")
-        prompts: list[Prompt] = []
-        for i, conversation in enumerate(conversations):
-            try:
-                text, token_ids = self.engine.inputs.render_chat(conversation)
-            except ValueError as e:
-                raise ValueError(f"conversation {i}: {e}") from None
-            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
-        return self.generate(prompts, sampling_params, use_tqdm, on_finished)
+        params = self._params_per_prompt(sampling_params, len(conversations))
+        requests = [
+            RequestInput(self._next_id(), sp, messages=conversation, where=f"conversation {i}")
+            for i, (conversation, sp) in enumerate(zip(conversations, params))
+        ]
+        return self._generate(requests, use_tqdm, on_finished)
+
+    def _next_id(self) -> str:
+        request_id = str(self._request_counter)
+        self._request_counter += 1
+        return request_id
 
     def _params_per_prompt(self, sp, n: int) -> list[SamplingParams]:
         if sp is None:
@@ -145,85 +152,49 @@ class LLM:
                 )
         return sp
 
-    def _prepare(
-        self, index: int, prompt: Prompt, params: SamplingParams
-    ) -> tuple[str | None, list[int]]:
-        """The prompt's text and token ids (truncated as ``params`` ask), checked with
-        ``params`` as ``add_request`` will check them."""
-        where = f"prompt {index}"
-        text: str | None
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"{where} is empty")
-            text, token_ids = prompt, self.engine.tokenize(prompt)
-        elif isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                text = prompt.get("prompt")
-                token_ids = as_token_ids(prompt["prompt_token_ids"], where)
-            elif isinstance(prompt.get("prompt"), str):
-                return self._prepare(index, prompt["prompt"], params)
-            else:
-                raise ValueError(f"{where}: a dict prompt needs 'prompt_token_ids' or 'prompt'")
-        elif isinstance(prompt, (list, tuple)):
-            text, token_ids = None, as_token_ids(prompt, where)
-        else:
-            raise TypeError(
-                f"{where} must be a string, a token id list or a dict, got {type(prompt).__name__}"
-            )
-        inputs = self.engine.inputs
-        token_ids = inputs.truncated(token_ids, params)
-        self.engine.validate_prompt(token_ids, where)
-        inputs.check_params(inputs.with_bad_words(params, where), where)
-        return text, token_ids
-
     def _run(
         self,
-        groups: list[tuple[str, list[str]]],
+        request_ids: list[str],
         use_tqdm: bool,
         on_finished: Callable[[int, RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
-        """Step until every prompt's engine requests (``groups``: the prompt's id and its
-        children's) have finished; each prompt's output, in prompt order."""
+        """Step until every request of ``request_ids`` has finished; their final outputs, in
+        that order (a request of ``n > 1`` completions comes merged from the engine)."""
         from tqdm.auto import tqdm
 
-        owner = {child: i for i, (_, children) in enumerate(groups) for child in children}
-        left = [len(children) for _, children in groups]  # unfinished children per prompt
-        done: dict[str, RequestOutput] = {}
-        merged: dict[int, RequestOutput] = {}
+        index = {request_id: i for i, request_id in enumerate(request_ids)}
+        done: dict[int, RequestOutput] = {}
         bar = tqdm(
-            total=len(groups), desc="generate", disable=not use_tqdm or len(groups) < 2, unit="req"
-        )
+            total=len(request_ids), desc="generate", disable=not use_tqdm or len(request_ids) < 2,
+            unit="req",
+        )  # fmt: skip
         try:
-            while len(merged) < len(groups):
+            while len(done) < len(request_ids):
                 for out in self.engine.step():
-                    i = owner.get(out.request_id)
-                    if not out.finished or i is None or out.request_id in done:
+                    i = index.get(out.request_id)
+                    if not out.finished or i is None or i in done:
                         continue
-                    done[out.request_id] = out
-                    left[i] -= 1
-                    if left[i] == 0:
-                        request_id, children = groups[i]
-                        merged[i] = parallel_sampling.merge(request_id, [done[c] for c in children])
-                        bar.update(1)
-                        if on_finished is not None:
-                            on_finished(i, merged[i])
+                    done[i] = out
+                    bar.update(1)
+                    if on_finished is not None:
+                        on_finished(i, out)
             # Scheduled ahead, a decode of a request that has since stopped may still be
             # in flight: the engine is left idle (its blocks freed, set_scheduler allowed).
             while self.engine.num_inflight and not self.engine.scheduler.has_unfinished():
                 self.engine.step()
         finally:
             bar.close()
-        return [merged[i] for i in range(len(groups))]
+        return [done[i] for i in range(len(request_ids))]
 
 
 def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    prompts = list(prompts)
-    if not prompts:
+    items: list[Any] = list(prompts)
+    if not items:
         raise ValueError("no prompts given")
-    if all(isinstance(t, numbers.Integral) for t in prompts):
+    if all(isinstance(t, numbers.Integral) for t in items):
         # One prompt given as token ids (numpy's too); a bool among them is refused later,
         # naming its position.
-        return [prompts]
-    return prompts
+        return [items]
+    return items

@@ -8,9 +8,8 @@ the flat batch follow the order of ``chunks``: prefill chunks first, then decode
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
-from sarathi_pp.events import StageEvent
 from sarathi_pp.sampling_params import SamplingParams
 
 
@@ -155,6 +154,29 @@ class PromptChunkLogprobs:
 
     first: int
     tokens: tuple[TokenLogprobs, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StageEvent:
+    """One stage's timing of one micro-batch (absolute monotonic seconds until written)."""
+
+    stage: int
+    mb: int
+    kind: str
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    wait_start: float
+    input_ready: float
+    compute_start: float
+    compute_end: float
+    send_end: float
+
+    def shifted(self, offset: float) -> StageEvent:
+        """The same event with ``offset`` subtracted from every time."""
+        d = asdict(self)
+        for k in ("wait_start", "input_ready", "compute_start", "compute_end", "send_end"):
+            d[k] -= offset
+        return StageEvent(**d)
 
 
 @dataclass

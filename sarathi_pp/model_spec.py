@@ -1,6 +1,7 @@
-"""What the runtime needs to know of a Hugging Face checkpoint, read from its config.json.
+"""What the runtime needs to know of a Hugging Face checkpoint, from its config.json's
+mapping (``checkpoint.load_model_spec`` reads the file).
 
-Pure Python (no torch): the scheduler, the planner and the KV sizing use it without a
+Pure Python (no torch, no I/O): the scheduler, the planner and the KV sizing use it without a
 device. Covers the Llama family: Llama (incl. Llama 3 rope scaling), Mistral and Qwen2.
 Both the older ``rope_theta``/``rope_scaling`` keys and transformers 5's
 ``rope_parameters`` are read.
@@ -8,10 +9,8 @@ Both the older ``rope_theta``/``rope_scaling`` keys and transformers 5's
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -203,17 +202,3 @@ def _real(value: Any, key: str, source: str, positive: bool = False) -> float:
         what = "a finite number > 0" if positive else "a finite number"
         raise ValueError(f"{source}: {key} must be {what}, got {value!r}")
     return float(value)
-
-
-def load_model_spec(model_dir: str | Path) -> ModelSpec:
-    d = Path(model_dir)
-    if not d.is_dir():
-        raise FileNotFoundError(f"model directory {str(d)!r} does not exist")
-    cfg_path = d / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"model directory {str(d)!r} has no config.json")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: not valid JSON: {e}") from e
-    return spec_from_dict(cfg, source=str(cfg_path))

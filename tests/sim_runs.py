@@ -19,9 +19,9 @@ from typing import Any
 
 from sarathi_pp.bench.workload import BenchRequest
 from sarathi_pp.config import make_config
-from sarathi_pp.events import read_events
 from sarathi_pp.microbatch import MicroBatch
 from sarathi_pp.placement import Placement
+from sarathi_pp.records.events import read_events
 from sarathi_pp.sim.clock import SimClock
 from sarathi_pp.sim.cluster import SimCluster
 from sarathi_pp.sim.cost_model import ScriptedCostModel

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sarathi_pp.records.run_dir import TBT_CDF_FILE, TTFT_CDF_FILE
 from sarathi_pp.report.request_metrics import RequestRow, tbt_pool
-from sarathi_pp.run_dir import TBT_CDF_FILE, TTFT_CDF_FILE
 
 
 def metric_values(rows: list[RequestRow]) -> dict[str, list[float]]:

@@ -27,14 +27,14 @@ from sarathi_pp.bench.compare import (
     format_table,
     peer_run_entry,
 )
+from sarathi_pp.bench.peers import PEERS, peer_runner
 from sarathi_pp.bench.runner import serve_run
 from sarathi_pp.bench.workload import BenchRequest, Workload
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.placement import Placement
+from sarathi_pp.records.run_dir import BenchDir, RunDir
 from sarathi_pp.report.request_metrics import load_requests, request_summary
-from sarathi_pp.run_dir import BenchDir, RunDir
 
-PEERS = ("hf",)
 PEER_SUMMARY_VERSION = 1
 
 
@@ -133,7 +133,7 @@ class Bench:
             model_dir, placement = engine.model_dir, engine.placement
         finally:
             engine.shutdown()
-        if self.options.peer == "hf":
+        if self.options.peer is not None:
             runs.append(self._run_peer(model_dir, placement, requests))
         comparison = build_comparison(runs, self._workload_entry(), self.config.to_dict())
         self.bench_dir.comparison.write_text(json.dumps(comparison, indent=2) + "\n")
@@ -219,13 +219,12 @@ class Bench:
     def _run_peer(
         self, model_dir: Any, placement: Placement, requests: list[BenchRequest]
     ) -> dict[str, Any]:
-        from sarathi_pp.bench.peer_hf import run_hf_peer
-
+        run_peer = peer_runner(self.options.peer or "")
         name = BenchDir.peer_name(self.options.peer or "")
         run_dir = self.bench_dir.run(name)
         run_dir.path.mkdir(exist_ok=True)
         with self._progress(name, len(requests)) as progress:
-            result = run_hf_peer(
+            result = run_peer(
                 model_dir,
                 requests,
                 dtype=placement.dtype,

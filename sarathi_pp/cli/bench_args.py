@@ -7,6 +7,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from sarathi_pp.bench.peers import PEERS
+
 RUN_DIRS_HELP = (
     "required: DIR/<scheduler>/ gets each run's records (what sarathi-pp report reads), "
     "DIR/ the comparison (comparison.json, CDF plots)"
@@ -23,7 +25,7 @@ def add_bench_args(p: argparse.ArgumentParser, peer: bool = True) -> None:
         "first is compared against each other one",
     )
     if peer:
-        g.add_argument("--peer", choices=("hf",), help="also run transformers' generate_batch")
+        g.add_argument("--peer", choices=PEERS, help="also run transformers' generate_batch")
     g.add_argument("--rate", type=float, metavar="REQ/S", help="Poisson arrivals at this rate")
     g.add_argument("--num-requests", type=int, metavar="N", help="override the workload's count")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

@@ -18,7 +18,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from sarathi_pp.config import DTYPES, FLAT_KEYS, EngineConfig, load_config, parse_set_value
+from sarathi_pp.config import DTYPES, FLAT_KEYS, EngineConfig
+from sarathi_pp.config_file import load_config, parse_set_value
 
 PROG = "sarathi-pp"
 

@@ -32,7 +32,7 @@ from sarathi_pp.planner.profile_analysis import (
     chunk_chain,
     write_profile,
 )
-from sarathi_pp.run_dir import PROFILE_FILE
+from sarathi_pp.records.run_dir import PROFILE_FILE
 
 if TYPE_CHECKING:
     from sarathi_pp.stages.worker.profiler import StageSetup

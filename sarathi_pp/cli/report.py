@@ -65,10 +65,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_interval(args: argparse.Namespace) -> int:
+    from sarathi_pp.records.run_dir import RunDir
     from sarathi_pp.report.interval import format_interval, interval_bubbles, parse_interval
     from sarathi_pp.report.log import load_log
     from sarathi_pp.report.writer import check_run_dir
-    from sarathi_pp.run_dir import RunDir
 
     with user_errors():
         start, end = parse_interval(args.interval)

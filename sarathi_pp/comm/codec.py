@@ -31,11 +31,11 @@ from typing import Any
 
 import msgpack
 
-from sarathi_pp.events import StageEvent
 from sarathi_pp.microbatch import (
     MicroBatch,
     PromptChunkLogprobs,
     ScheduledChunk,
+    StageEvent,
     StepResult,
     TokenLogprobs,
 )

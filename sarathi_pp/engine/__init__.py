@@ -1,7 +1,9 @@
-"""The engine: the online loop (``llm_engine``), output building (``output_processor``), the
-run's records (``recorder``) and failed steps (``pipeline_faults``)."""
+"""The engine: the online loop (``llm_engine``), the front door's checks
+(``input_processor``), ``n > 1`` as parent requests (``parallel_sampling``), output building
+(``output_processor``) and failed steps (``recovery``). The run's records are
+observers of the loop (``sarathi_pp/records/``)."""
 
 from sarathi_pp.engine.llm_engine import LLMEngine
-from sarathi_pp.engine.pipeline_faults import EngineDeadError
+from sarathi_pp.engine.recovery import EngineDeadError
 
 __all__ = ["EngineDeadError", "LLMEngine"]

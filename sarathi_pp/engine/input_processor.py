@@ -1,17 +1,79 @@
-"""Requests in: the tokenizer, and the checks a prompt must pass before it is queued."""
+"""Requests in: the front door's half that turns what a front end hands over into a checked
+request (vLLM V1's ``Processor``): the chat template, the tokenizer, truncation, and every
+check a request must pass before it is queued.
+
+``LLMEngine.add_requests`` is the one entry (``LLM.generate``, ``LLM.chat``, the server and
+``add_request`` all go through it): it runs ``InputProcessor.process`` on every request of
+a call before it adds any, so a bad one refuses the call whole, naming its request
+(``RequestInput.where``) and its field (``InputError.param``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import ModelConfig
+from sarathi_pp.engine.tokenizer import has_tokenizer, load_tokenizer
 from sarathi_pp.sampling_params import SamplingParams, SamplingParamsError
-from sarathi_pp.tokenizer import has_tokenizer, load_tokenizer
+
+# A prompt as the front ends take it (vLLM's): text, token ids, or a dict
+# (``{"prompt": text}``, or ``{"prompt_token_ids": [...]}`` with an optional "prompt").
+Prompt = str | list[int] | tuple[int, ...] | dict[str, Any]
+
+
+class InputError(ValueError):
+    """A request the front door refuses; ``param`` names its field at fault (``prompt``,
+    ``messages``, ``max_tokens``), so a server can name it without reading the message
+    (``SamplingParamsError`` does the same for a sampling parameter)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):  # pickled as built: args are (message, param)
+        return type(self), (str(self), self.param)
+
+
+@dataclass(frozen=True)
+class RequestInput:
+    """One request as a front end hands it to ``LLMEngine.add_requests``: a ``prompt`` or a
+    chat (``messages``, rendered by the tokenizer's chat template with the generation
+    prompt), its sampling parameters (``n > 1``: a parent request of ``n`` completions),
+    and how an error names it (``where``; default ``request '<id>'``)."""
+
+    request_id: str
+    params: Any  # SamplingParams; anything else is a TypeError naming the request
+    prompt: Prompt | None = None
+    messages: Any = None  # list[{"role", "content"}]; checked by ``render_chat``
+    arrival_time: float | None = None  # on the engine's clock (LLMEngine.now()); None: now
+    where: str = ""
+    # Refuse a request whose prompt and ``max_tokens`` exceed ``max_model_len`` (an
+    # ``InputError`` naming ``max_tokens``), as OpenAI's and vLLM's servers do for an
+    # explicit ``max_tokens``; otherwise such a request stops at ``max_model_len``.
+    max_tokens_must_fit: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.where or f"request {self.request_id!r}"
+
+
+@dataclass(frozen=True)
+class ProcessedRequest:
+    """A request that passed every check: its prompt's text (where it has one: the text
+    given, or the rendered chat), token ids (truncated as asked), its parameters (bad words
+    as token ids) and arrival on the engine's clock."""
+
+    request_id: str
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
 
 
 class InputProcessor:
@@ -98,17 +160,83 @@ class InputProcessor:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def request_tokens(
-        self, request_id: str, prompt: str | None, params: Any, token_ids: list[int] | None
-    ) -> list[int]:
-        """A request's prompt token ids (``prompt`` tokenized when none are given)."""
+    def process(
+        self,
+        request: RequestInput,
+        validate: Callable[[list[int], str], None],
+        now: float,
+    ) -> ProcessedRequest:
+        """``request`` checked and made ready to queue, or the error that refuses it
+        (``TypeError`` for a value of the wrong type, ``InputError`` or
+        ``SamplingParamsError`` naming the field otherwise). ``validate(token_ids, where)``:
+        the engine's check that the prompt can run at all (``LLMEngine.validate_prompt``)."""
+        where, params = request.name, request.params
+        text: str | None
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if token_ids is not None:
-            return list(token_ids)
-        if not isinstance(prompt, str):
-            raise TypeError(f"request {request_id!r}: prompt must be a string, got {prompt!r}")
-        return self.tokenize(prompt) if prompt else []
+            raise TypeError(f"{where}: params must be SamplingParams, got {type(params).__name__}")
+        if request.messages is not None:
+            if request.prompt is not None:
+                raise InputError(f"{where}: give a prompt or messages, not both", "messages")
+            try:
+                text, token_ids = self.render_chat(request.messages)
+            except ValueError as e:
+                raise InputError(f"{where}: {e}", "messages") from None
+            field = "messages"
+        else:
+            text, token_ids = self.prompt_tokens(request.prompt, where)
+            field = "prompt"
+        token_ids = self.truncated(token_ids, params)
+        try:
+            validate(token_ids, where)
+        except ValueError as e:
+            raise InputError(str(e), field) from None
+        params = self.with_bad_words(params, where)
+        self.check_params(params, where)
+        max_len = self.checkpoint.max_model_len
+        if request.max_tokens_must_fit and len(token_ids) + params.max_tokens > max_len:
+            n, k = len(token_ids), params.max_tokens
+            raise InputError(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {n + k} tokens ({n} in the {where}, {k} in the completion): "
+                "reduce max_tokens",
+                "max_tokens",
+            )
+        arrival = arrival_or_now(request.arrival_time, now)  # ValueError: not on our clock
+        return ProcessedRequest(request.request_id, text, token_ids, params, arrival)
+
+    def prompt_tokens(self, prompt: Any, where: str) -> tuple[str | None, list[int]]:
+        """A prompt's text (``None`` for token ids alone) and token ids: text is tokenized,
+        token ids checked to be integers (``as_token_ids``)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InputError(f"{where} is empty", "prompt")
+            try:
+                return prompt, self.tokenize(prompt)
+            except ValueError as e:  # no tokenizer
+                raise InputError(f"{where}: {e}", "prompt") from None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text = prompt.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise TypeError(f"{where}: 'prompt' must be a string, got {text!r}")
+                return text, self._token_ids(prompt["prompt_token_ids"], where)
+            if isinstance(prompt.get("prompt"), str):
+                return self.prompt_tokens(prompt["prompt"], where)
+            raise InputError(
+                f"{where}: a dict prompt needs 'prompt_token_ids' or 'prompt'", "prompt"
+            )
+        if isinstance(prompt, (list, tuple)):
+            return None, self._token_ids(prompt, where)
+        raise TypeError(
+            f"{where} must be a string, a token id list or a dict, got {type(prompt).__name__}"
+        )
+
+    @staticmethod
+    def _token_ids(values: Any, where: str) -> list[int]:
+        try:
+            return as_token_ids(values, where)
+        except ValueError as e:
+            raise InputError(str(e), "prompt") from None
 
     def render_chat(self, messages: Any) -> tuple[str, list[int]]:
         """One conversation (``[{"role", "content"}, ...]``) through the tokenizer's chat

@@ -2,9 +2,10 @@
 
 One ``step()`` issues every micro-batch the scheduler can issue (up to the in-flight limit:
 the number of pipeline stages by default), waits for the oldest in flight and applies its
-sampled tokens. Around the loop: ``InputProcessor`` (tokenizer, prompt checks),
-``OutputProcessor`` (stop checks, text, ``RequestOutput``), a recorder (the run dir's
-records, or nothing) and ``PipelineFaults`` (failed steps). The loop imports no torch:
+sampled tokens. Around the loop: ``InputProcessor`` (the front door's checks,
+``add_requests``), ``OutputProcessor`` (stop checks, text, ``RequestOutput``), the
+observers (``records/observer.py``: the run dir's recorder first, then any given) and
+``PipelineRecovery`` (failed steps). The loop imports no torch:
 executors are reached by name (``executors.create_executor``).
 """
 
@@ -14,7 +15,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +26,20 @@ from sarathi_pp.config import (
     EngineConfig,
     SchedulerConfig,
 )
-from sarathi_pp.engine.input_processor import InputProcessor, arrival_or_now, as_token_ids
+from sarathi_pp.engine.input_processor import InputProcessor, ProcessedRequest, RequestInput
 from sarathi_pp.engine.output_processor import OutputProcessor
-from sarathi_pp.engine.pipeline_faults import PipelineFaults
-from sarathi_pp.engine.recorder import NullRecorder, Recorder, RunRecorder
+from sarathi_pp.engine.parallel_sampling import ParentRequest
+from sarathi_pp.engine.recovery import PipelineRecovery
 from sarathi_pp.executors import Executor, create_executor
 from sarathi_pp.interrupts import deferred_interrupts
 from sarathi_pp.microbatch import MicroBatch, StepResult
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.placement.partition import check_num_stages
 from sarathi_pp.planner.memory import engine_decode_batch, num_kv_blocks
-from sarathi_pp.run_dir import RunDir
+from sarathi_pp.records.observer import Observer, Observers
+from sarathi_pp.records.recorder import NullRecorder, RunRecorder
+from sarathi_pp.records.run_dir import RunDir
+from sarathi_pp.report import write_report
 from sarathi_pp.sampling_params import SamplingParams
 from sarathi_pp.scheduler import Scheduler, create_scheduler
 from sarathi_pp.scheduler.base import IDLE_DEPENDENCY, IDLE_NO_WORK
@@ -49,15 +53,18 @@ logger = logging.getLogger(__name__)
 ExecutorFactory = Callable[[EngineConfig, Any], Executor]
 
 
-class LLMEngine(PipelineFaults):
+class LLMEngine(PipelineRecovery):
     def __init__(
         self,
         config: EngineConfig,
         executor: str | ExecutorFactory | None = None,
         clock: Callable[[], float] = time.monotonic,
+        observers: Iterable[Observer] = (),
     ) -> None:
         """``executor``: a registry name (default: the config's) or a factory;
-        ``clock``: the engine's time (``time.monotonic``; the simulator's virtual clock)."""
+        ``clock``: the engine's time (``time.monotonic``; the simulator's virtual clock);
+        ``observers``: told what the loop does (``records/observer.py``), after the run
+        dir's recorder."""
         self._clock = clock
         run_dir = None
         if config.run.run_dir is not None:  # refuse a used run dir before any work
@@ -86,13 +93,18 @@ class LLMEngine(PipelineFaults):
                 config.model.path,
                 REAL_BUILTIN_MODEL,
             )
-        self._requests: dict[str, Sequence] = {}
+        self._requests: dict[str, Sequence] = {}  # engine request id -> its sequence
+        self._parents: dict[str, ParentRequest] = {}  # child id -> its parent (n > 1)
         eos_ids = self.inputs.eos_token_ids()
         self.outputs = OutputProcessor(self.tokenizer, eos_ids, self.max_model_len)
-        self.recorder: Recorder = NullRecorder()
+        self.recorder: RunRecorder | NullRecorder = NullRecorder()
         if run_dir is not None:
             overwrite = config.run.overwrite
-            self.recorder = RunRecorder(run_dir, self.resolved_config, self.now(), overwrite)
+            self.recorder = RunRecorder(
+                run_dir, self.resolved_config, self.now(), overwrite, write_report
+            )
+        # What the loop tells: the recorder first (its log is the run's record), then the rest.
+        self.observe = Observers([self.recorder, *observers])
 
     def _init_cache_and_scheduler(self, config: EngineConfig) -> None:
         self.placement = self.executor.placement  # device, dtype, threads, M_G, block size
@@ -119,6 +131,10 @@ class LLMEngine(PipelineFaults):
     model_dir = property(lambda self: self.checkpoint.path)
     max_model_len = property(lambda self: self.checkpoint.max_model_len)
     run_dir = property(lambda self: self.recorder.path)
+
+    def add_observer(self, observer: Observer) -> None:
+        """Tell ``observer`` what the loop does from now on (after those already told)."""
+        self.observe.observers.append(observer)
 
     @property
     def resolved_config(self) -> EngineConfig:
@@ -181,6 +197,42 @@ class LLMEngine(PipelineFaults):
         kv_capacity = self.num_kv_blocks * self.block_size
         self.inputs.validate(token_ids, where, kv_capacity, max_unchunked, s.policy)
 
+    def add_requests(self, requests: Iterable[RequestInput]) -> list[ProcessedRequest]:
+        """The front door: every request of the call checked (``InputProcessor.process``:
+        chat rendering, tokenizing, truncation, validation), then all of them queued, or
+        none: a bad one raises before any is added (``TypeError``, or a ``ValueError`` that
+        names the request and, as ``.param``, its field), and a failure while adding
+        (``QueueFullError``) takes back those added. A request of ``n > 1`` completions is a
+        parent of ``n`` engine requests whose outputs ``step`` hands out merged
+        (``engine/parallel_sampling.py``). Returns what was queued, in order."""
+        self._check_alive()
+        requests = list(requests)
+        ids = [r.request_id for r in requests]
+        for request_id in ids:
+            if not isinstance(request_id, str):
+                raise TypeError(f"request ids are strings, got {request_id!r}")
+            if ids.count(request_id) > 1 or self._in_use(request_id):
+                raise ValueError(f"request id {request_id!r} is already in use")
+        now = self.now()
+        processed = [self.inputs.process(r, self.validate_prompt, now) for r in requests]
+        added: list[str] = []
+        try:
+            for req in processed:
+                if req.params.n == 1:
+                    self._add_sequence(req.request_id, req, req.params)
+                    added.append(req.request_id)
+                    continue
+                parent = ParentRequest(req.request_id, req.params)
+                for child_id, child_params in parent.children:
+                    self._add_sequence(child_id, req, child_params)
+                    added.append(child_id)
+                    self._parents[child_id] = parent
+        except BaseException:
+            for request_id in added:  # nothing of the call outlives its failure
+                self.abort(request_id)
+            raise
+        return processed
+
     def add_request(
         self,
         request_id: str,
@@ -189,39 +241,42 @@ class LLMEngine(PipelineFaults):
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        self._check_alive()
-        if params.n != 1:
-            raise ValueError(
-                f"request {request_id!r}: the engine runs one completion per request (n=1), "
-                f"got n={params.n}; LLM.generate and the server run n > 1 as n requests "
-                "(engine/parallel_sampling.py)"
-            )
+        """vLLM's one-request call: ``add_requests`` with one request (``prompt_token_ids``
+        given: those tokens, ``prompt`` their text)."""
+        given: Any = prompt
+        if prompt_token_ids is not None:
+            given = {"prompt_token_ids": prompt_token_ids, "prompt": prompt}
+        elif not isinstance(prompt, str):
+            raise TypeError(f"request {request_id!r}: prompt must be a string, got {prompt!r}")
+        self.add_requests([RequestInput(request_id, params, given, arrival_time=arrival_time)])
+
+    def _in_use(self, request_id: str) -> bool:
         if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            return True
+        return any(p.request_id == request_id for p in self._parents.values())
+
+    def _add_sequence(self, request_id: str, req: ProcessedRequest, params: SamplingParams) -> None:
         self.scheduler.check_room()  # QueueFullError at scheduler.max_waiting
-        where = f"request {request_id!r}"
-        token_ids = self.inputs.request_tokens(request_id, prompt, params, prompt_token_ids)
-        token_ids = as_token_ids(token_ids, where)  # plain ints, never True, to the scheduler
-        token_ids = self.inputs.truncated(token_ids, params)
-        self.validate_prompt(token_ids, where)
-        params = self.inputs.with_bad_words(params, where)
-        self.inputs.check_params(params, where)
-        arrival = arrival_or_now(arrival_time, self.now())  # ValueError: not on our clock
         seq_id = next(self._seq_ids)
         params = self.inputs.seeded(params, seq_id)
-        seq = Sequence(seq_id, request_id, token_ids, params, arrival, prompt=prompt)
+        seq = Sequence(
+            seq_id, request_id, list(req.token_ids), params, req.arrival_time, prompt=req.text
+        )
         self._requests[request_id] = seq
         self.outputs.add(seq)
-        self.recorder.added(arrival)
+        self.observe.added(req.arrival_time)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
-        """End the request; its final output (``finish_reason="abort"``) comes with the next
-        ``step()``. Its blocks are freed at once, or when its micro-batch in flight is done."""
-        seq = self._requests.get(request_id)
-        if seq is not None and not seq.is_finished:
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED, self.now())
-            self._aborted.append(self._output(seq))
+        """End the request (a parent of ``n > 1``: every completion); its final output
+        (``finish_reason="abort"``) comes with the next ``step()``. Its blocks are freed at
+        once, or when its micro-batch in flight is done."""
+        children = [c for c, p in self._parents.items() if p.request_id == request_id]
+        for child_id in children or [request_id]:
+            seq = self._requests.get(child_id)
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED, self.now())
+                self._aborted.append(self._output(seq))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._inflight)
@@ -259,8 +314,8 @@ class LLMEngine(PipelineFaults):
             self._on_step_failure(e)  # re-raises unless a lost stage was replaced
             return self._take_aborted()
         if not self.has_unfinished_requests():  # idle for want of work until the next request
-            self.recorder.idle(self.now(), IDLE_NO_WORK)
-        return self._take_aborted() + outputs
+            self.observe.idle(self.now(), IDLE_NO_WORK)
+        return _latest_per_parent(self._take_aborted() + outputs)
 
     def _inflight_limit(self, now: float) -> int:
         """Micro-batches that may be in flight now: ``max_inflight``, or fewer while only
@@ -269,7 +324,7 @@ class LLMEngine(PipelineFaults):
 
     def _take_aborted(self) -> list[RequestOutput]:
         aborted, self._aborted = self._aborted, []
-        return aborted
+        return _latest_per_parent(aborted)
 
     def _issue(self) -> None:
         """Issue every micro-batch the scheduler can, up to the in-flight limit."""
@@ -283,22 +338,22 @@ class LLMEngine(PipelineFaults):
             # two stages' submissions would leave one stage a micro-batch behind the other
             # on their activation channel (the next run's micro-batch would meet a stale one).
             with deferred_interrupts():
-                self.recorder.before_schedule(now, self.scheduler)
+                self.observe.before_schedule(now, self.scheduler)
                 microbatch = self.scheduler.schedule(now, ring_upto)
                 if microbatch is None:
-                    self.recorder.idle(now, self.scheduler.idle_reason)
+                    self.observe.idle(now, self.scheduler.idle_reason)
                     return
-                self.recorder.issued(microbatch, now, submit=self.now())
+                self.observe.issued(microbatch, now, submit=self.now())
                 self._inflight.append(microbatch)
                 self.executor.submit(microbatch)
         # the in-flight limit holds the next micro-batch back
-        self.recorder.idle(self.now(), IDLE_DEPENDENCY)
+        self.observe.idle(self.now(), IDLE_DEPENDENCY)
 
     def _apply(
         self, microbatch: MicroBatch, result: StepResult, wait: float, full: bool
     ) -> list[RequestOutput]:
         now = self.now()
-        self.recorder.completed(microbatch, result, now, wait=wait, full=full)
+        self.observe.completed(microbatch, result, now, wait=wait, full=full)
         for seq_id, plp in result.prompt_logprobs.items():  # before the chunk's token
             if (seq := self.scheduler.seqs.get(seq_id)) is not None:
                 seq.add_prompt_logprobs(plp.first, plp.tokens)
@@ -328,11 +383,19 @@ class LLMEngine(PipelineFaults):
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, now)
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        """``seq``'s output; for a child of a parent request, the parent's (merged)."""
         out = self.outputs.output(seq)
         if seq.is_finished:
             self._requests.pop(seq.request_id, None)
-            self.recorder.finished(out)
-        return out
+            self.observe.finished(out)
+        parent = self._parents.get(seq.request_id)
+        if parent is None:
+            return out
+        merged = parent.update(out)
+        if parent.finished:
+            for child_id in parent.child_ids:
+                self._parents.pop(child_id, None)
+        return merged
 
     # --- records -------------------------------------------------------------------------
     def start_run(self, run_dir: str | Path, overwrite: bool = False) -> None:
@@ -343,7 +406,9 @@ class LLMEngine(PipelineFaults):
             raise RuntimeError("start_run needs an idle engine (requests are unfinished)")
         self.recorder.close()
         run = RunDir.check(run_dir, overwrite)
-        self.recorder = RunRecorder(run, self.resolved_config, self.now(), overwrite)
+        recorder = RunRecorder(run, self.resolved_config, self.now(), overwrite, write_report)
+        self.observe.observers[self.observe.observers.index(self.recorder)] = recorder
+        self.recorder = recorder
 
     def write_run_records(self) -> dict[str, Any] | None:
         """Write the run dir's records (``requests.csv``, ``events.jsonl``) and rebuild the
@@ -357,3 +422,12 @@ class LLMEngine(PipelineFaults):
         self.executor.shutdown()
         if self.dead_reason is None:
             self.dead_reason = "it was shut down (LLM.shutdown / LLMEngine.shutdown)"
+
+
+def _latest_per_parent(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """``outputs`` with only the last of several outputs of one request (a parent's
+    children may all have news in one step: the parent's last merged output has it all)."""
+    last = {out.request_id: i for i, out in enumerate(outputs)}
+    if len(last) == len(outputs):
+        return outputs
+    return [out for i, out in enumerate(outputs) if last[out.request_id] == i]

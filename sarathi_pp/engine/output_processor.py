@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sarathi_pp.engine.tokenizer import Detokenizer
 from sarathi_pp.microbatch import TokenLogprobs
 from sarathi_pp.outputs import (
     CompletionOutput,
@@ -19,7 +20,6 @@ from sarathi_pp.outputs import (
     SampleLogprobs,
 )
 from sarathi_pp.sequence import Sequence, SequenceStatus
-from sarathi_pp.tokenizer import Detokenizer
 
 StopReason = int | str | None  # the stop token id, the stop string, or None
 

@@ -1,13 +1,15 @@
 """``SamplingParams.n > 1``: one prompt, ``n`` completions, as vLLM V1 does it.
 
-The engine runs sequences of ``n == 1``; a request of ``n`` completions is ``n`` engine
-requests ("child" requests, ids ``"{j}_{request_id}"`` as in vLLM's ``ParentRequest``),
-each with ``n=1`` and, when the request has a ``seed``, ``seed + j`` (so the completions
-differ and a rerun repeats them; without a seed the engine seeds each child from
-``model.seed`` and its own arrival order). ``LLM.generate`` merges the children's final
-outputs into one ``RequestOutput`` (``merge``); the server answers each child as its own
-choice. The prompt is prefilled once per child (no prefix sharing: the KV cache has no
-copy-on-write blocks).
+The engine runs sequences of ``n == 1``; a request of ``n`` completions is a
+``ParentRequest`` of ``n`` engine requests ("child" requests, ids ``"{j}_{request_id}"`` as
+in vLLM's ``ParentRequest``), each with ``n=1`` and, when the request has a ``seed``,
+``seed + j`` (so the completions differ and a rerun repeats them; without a seed the engine
+seeds each child from ``model.seed`` and its own arrival order). The engine's output side
+merges the children's outputs into one ``RequestOutput`` of the parent (``merge``), its
+completion ``j`` child ``j``'s, every time one of them has news: ``LLMEngine.step`` hands
+out the parent's, never a child's. The prompt is prefilled once per child (no prefix
+sharing: the KV cache has no copy-on-write blocks). Each child is its own row in the run's
+records (``requests.csv``), as it is its own sequence in the scheduler.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from sarathi_pp.outputs import RequestMetrics, RequestOutput
+from sarathi_pp.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from sarathi_pp.sampling_params import SamplingParams
 
 
@@ -30,6 +32,39 @@ def child_requests(request_id: str, params: SamplingParams) -> list[tuple[str, S
         )
         for j in range(params.n)
     ]
+
+
+class ParentRequest:
+    """A request of ``n > 1`` completions: its children's ids, and their latest outputs."""
+
+    def __init__(self, request_id: str, params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.children = child_requests(request_id, params)
+        self.child_ids = [child_id for child_id, _ in self.children]
+        self._latest: dict[str, RequestOutput] = {}
+        self._wants_logprobs = params.logprobs is not None
+
+    def update(self, child: RequestOutput) -> RequestOutput:
+        """The parent's output with ``child``'s news: every completion so far (a child with
+        no output yet is an empty, unfinished completion), finished when every child is."""
+        self._latest[child.request_id] = child
+        outputs = [self._latest.get(c) or self._empty(c, child) for c in self.child_ids]
+        return merge(self.request_id, outputs)
+
+    @property
+    def finished(self) -> bool:
+        return len(self._latest) == len(self.child_ids) and all(
+            o.finished for o in self._latest.values()
+        )
+
+    def _empty(self, child_id: str, like: RequestOutput) -> RequestOutput:
+        completion = CompletionOutput(
+            0, "", [], None, logprobs=[] if self._wants_logprobs else None
+        )
+        metrics = RequestMetrics(arrival_time=like.metrics.arrival_time)
+        return RequestOutput(
+            child_id, like.prompt, like.prompt_token_ids, [completion], False, metrics
+        )
 
 
 def merge(request_id: str, children: list[RequestOutput]) -> RequestOutput:

@@ -55,7 +55,7 @@ class Executor(Protocol):
 
     def restart(self) -> None:
         """Replace the stages after one was lost (``StageLost``), as the engine's recovery
-        does (``PipelineFaults._recover``, at most ``parallel.max_stage_restarts`` times):
+        does (``PipelineRecovery._recover`` in ``engine/recovery.py``, at most ``parallel.max_stage_restarts`` times):
         every stage is started afresh with its weights loaded and a KV cache of the shape
         ``init_kv_cache`` gave, empty; the micro-batches in flight are gone (the engine has
         abandoned them and recomputes every running sequence). An executor that never

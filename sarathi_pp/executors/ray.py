@@ -46,7 +46,7 @@ from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.comm.p2p import StageCommError
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.executors.base import StageError, StageLost
-from sarathi_pp.faults import after_restart
+from sarathi_pp.fault_injection import after_restart
 from sarathi_pp.interrupts import deferred_interrupts
 from sarathi_pp.microbatch import (
     MicroBatch,
@@ -69,7 +69,7 @@ from sarathi_pp.stages.worker.model_runner import StageSpec
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
-    from sarathi_pp.events import StageEvent
+    from sarathi_pp.microbatch import StageEvent
 
 logger = logging.getLogger(__name__)
 
@@ -362,7 +362,7 @@ class RayExecutor:
         engine recomputes its sequences."""
         assert self._config is not None and self._checkpoint is not None
         self.release_stages()
-        # an injected step fault was the first stages' event (faults.py: after_restart)
+        # an injected step fault was the first stages' event (fault_injection.py: after_restart)
         fault = after_restart(self._config.parallel.inject_fault)
         self._config = self._config.replace(**{"parallel.inject_fault": fault})
         self._create_actors(self._config, self._checkpoint, self.placement)

@@ -40,9 +40,14 @@ from sarathi_pp.comm.dist_setup import bind_gloo_to_loopback, is_loopback, pick_
 from sarathi_pp.comm.objects import ObjectChannel
 from sarathi_pp.comm.p2p import StageCommError
 from sarathi_pp.config import EngineConfig
-from sarathi_pp.events import StageEvent
 from sarathi_pp.executors.base import StageError
-from sarathi_pp.microbatch import MicroBatch, StepResult, retry_one_at_a_time, without_failed
+from sarathi_pp.microbatch import (
+    MicroBatch,
+    StageEvent,
+    StepResult,
+    retry_one_at_a_time,
+    without_failed,
+)
 from sarathi_pp.placement import Placement, Resources, resolve_placement
 from sarathi_pp.planner.memory import StageMemory, with_activations
 from sarathi_pp.stages.worker.device import probe_resources

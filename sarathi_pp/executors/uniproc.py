@@ -13,8 +13,7 @@ from collections import deque
 
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import EngineConfig
-from sarathi_pp.events import StageEvent
-from sarathi_pp.microbatch import MicroBatch, StepResult, fill_ring
+from sarathi_pp.microbatch import MicroBatch, StageEvent, StepResult, fill_ring
 from sarathi_pp.placement import resolve_placement
 from sarathi_pp.planner.memory import StageMemory, with_activations
 from sarathi_pp.stages.worker.device import probe_resources, set_num_threads

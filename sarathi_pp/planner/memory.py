@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sarathi_pp.block_manager import blocks_for
 from sarathi_pp.config import CacheConfig, EngineConfig, SchedulerConfig
 from sarathi_pp.model_spec import DTYPE_BYTES, ModelSpec
 from sarathi_pp.placement import Placement
 from sarathi_pp.placement.partition import partition_layers, stage_params
+from sarathi_pp.scheduler.block_manager import blocks_for
 
 # Prompt rows the last stage turns into logits at once (``SamplingParams.prompt_logprobs``):
 # 256 rows of a 150K vocabulary are 150 MB of float32.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sarathi_pp.block_manager import blocks_for
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.model_spec import ModelSpec
@@ -36,6 +35,7 @@ from sarathi_pp.planner.memory import (
 )
 from sarathi_pp.planner.profile_analysis import analyze_profile
 from sarathi_pp.planner.profile_csv import load_profile
+from sarathi_pp.scheduler.block_manager import blocks_for
 
 
 # --- the inputs -----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """``events.jsonl`` parsed into typed, checked values for the bubble analysis.
 
-``read_events`` (``sarathi_pp.events``) checks the lines are records; this module checks
+``read_events`` (``sarathi_pp.records.events``) checks the lines are records; this module checks
 what the analysis relies on, and names the file in every error: each stage record has its
 fields, a known kind and ordered times (``compute_start <= compute_end <= send_end``); a
 stage's computes do not overlap; every stage ran the same micro-batches; idle reasons are
@@ -15,7 +15,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from sarathi_pp.events import StageEvent, read_events
+from sarathi_pp.microbatch import StageEvent
+from sarathi_pp.records.events import read_events
 
 KINDS = ("prefill", "decode", "hybrid")
 IDLE_REASONS = ("no_work", "dependency", "recovery")

@@ -36,7 +36,7 @@ import statistics
 from itertools import pairwise
 from typing import Any
 
-from sarathi_pp.events import StageEvent
+from sarathi_pp.microbatch import StageEvent
 from sarathi_pp.report.bubbles import (
     BUBBLE_CLASSES,
     RUNTIME_CLASSES,

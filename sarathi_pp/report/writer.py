@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sarathi_pp.records.run_dir import RunDir
 from sarathi_pp.report.bubbles import BubbleAnalysis, analyze
 from sarathi_pp.report.log import RunLog, load_log
 from sarathi_pp.report.request_metrics import load_requests
 from sarathi_pp.report.summary import build_summary
 from sarathi_pp.report.trace import build_trace
 from sarathi_pp.report.window import MAX_DRAWN_MICROBATCHES, head_window
-from sarathi_pp.run_dir import RunDir
 
 
 @dataclass(frozen=True)

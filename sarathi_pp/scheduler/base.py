@@ -22,11 +22,11 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
 
-from sarathi_pp.block_manager import BlockManager
 from sarathi_pp.config import SchedulerConfig
 from sarathi_pp.microbatch import RING_TOKEN, MicroBatch, ScheduledChunk
 from sarathi_pp.planner.memory import kv_decode_batch
 from sarathi_pp.planner.tuner import ChunkTuner
+from sarathi_pp.scheduler.block_manager import BlockManager
 from sarathi_pp.sequence import Sequence, SequenceStatus
 
 # Why the scheduler had nothing to issue (recorded as bubble causes on stage 0).

@@ -22,7 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sarathi_pp.engine import EngineDeadError, parallel_sampling
+from sarathi_pp.engine import EngineDeadError, LLMEngine
+from sarathi_pp.engine.input_processor import RequestInput
+from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.scheduler.base import QueueFullError
 from sarathi_pp.serve import protocol as p
 from sarathi_pp.serve.engine_loop import EngineFailure, EngineLoop, Sink
@@ -119,7 +121,7 @@ class _Routes:
         req = p.tokenize_request(await _json_body(request))
         self._check_model(req.model)
 
-        def run(engine: Any) -> dict[str, Any]:  # on the engine thread: it owns the tokenizer
+        def run(engine: LLMEngine) -> dict[str, Any]:  # on the engine thread: it owns the tokenizer
             if req.messages is not None:
                 _, tokens = render_chat(engine, req.messages)
             else:
@@ -137,7 +139,7 @@ class _Routes:
         model, tokens = p.detokenize_request(await _json_body(request))
         self._check_model(model)
 
-        def run(engine: Any) -> dict[str, Any]:
+        def run(engine: LLMEngine) -> dict[str, Any]:
             if engine.tokenizer is None:
                 raise p.bad_request(f"model folder {engine.model_dir!r} has no tokenizer", "tokens")
             vocab = engine.spec.vocab_size
@@ -151,7 +153,7 @@ class _Routes:
 
         return JSONResponse(await self._on_engine(run))
 
-    async def _on_engine(self, fn: Callable[[Any], Any]) -> Any:
+    async def _on_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
         try:
             return await asyncio.wrap_future(self.engine_loop.call(fn))
         except EngineFailure as e:
@@ -172,82 +174,64 @@ class _Routes:
         req = p.completion_request(await _json_body(request))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         many = len(req.prompts) > 1
-        # One engine request per choice: prompt i's completion j is choice i * n + j.
-        children = [
-            (child, params, prompt, i)
+        must_fit = req.max_tokens is not None  # an explicit max_tokens must fit the context
+        inputs = [  # one engine request per prompt; its n completions are choices i*n .. i*n+n-1
+            RequestInput(
+                f"{request_id}-{i}" if many else request_id,
+                req.params,
+                prompt.text
+                if prompt.token_ids is None
+                else {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
+                where=f"'prompt[{i}]'" if many else "'prompt'",
+                max_tokens_must_fit=must_fit,
+            )  # fmt: skip
             for i, prompt in enumerate(req.prompts)
-            for child, params in parallel_sampling.child_requests(
-                f"{request_id}-{i}" if many else request_id, req.params
-            )
         ]
+        answer = _Answer([r.request_id for r in inputs], req.params.n)
+        answer.echo_only = req.echo_only
 
-        def add(engine: Any) -> None:  # every prompt or none: one bad prompt fails the request
-            added: list[str] = []
-            tokens = [
-                _prompt_tokens(engine, req, i, prompt) for i, prompt in enumerate(req.prompts)
-            ]
-            if req.echo:  # token id prompts echo as text (the engine thread owns the tokenizer)
-                texts = [
-                    p.text if p.text is not None else engine.detokenize(t)
-                    for p, t in zip(req.prompts, tokens, strict=True)
+        def add(engine: LLMEngine) -> None:  # on the engine thread: it owns the tokenizer
+            added = engine.add_requests(inputs)  # every prompt or none
+            if req.echo:  # token id prompts echo as text
+                answer.echo = [
+                    r.text if r.text is not None else engine.detokenize(r.token_ids) for r in added
                 ]
-                choices.echo = [texts[i] for _, _, _, i in children]
                 if req.params.logprobs is not None:  # the first prompt token's own text
-                    firsts = [_text_of(engine, t[0]) for t in tokens]
-                    choices.first_text = [firsts[i] for _, _, _, i in children]
-            try:
-                for rid, params, _, i in children:
-                    engine.add_request(rid, req.prompts[i].text, params, tokens[i])
-                    added.append(rid)
-            except BaseException:
-                for rid in added:
-                    engine.abort(rid)
-                raise
+                    answer.first_text = [_text_of(engine, r.token_ids[0]) for r in added]
 
-        choices = _Choices([c[0] for c in children], [c[3] for c in children])
-        choices.echo_only = req.echo_only
-        return await self._generate(request, req, request_id, choices, add, chat=False)
+        return await self._generate(request, req, request_id, answer, add, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         req = p.chat_request(await _json_body(request))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        messages = req.messages
-        children = parallel_sampling.child_requests(request_id, req.params)
+        chat = RequestInput(
+            request_id, req.params, messages=req.messages, where="'messages'",
+            max_tokens_must_fit=req.max_tokens is not None,
+        )  # fmt: skip
 
-        def add(engine: Any) -> None:  # on the engine thread: it owns the tokenizer
-            prompt, token_ids = render_chat(engine, messages)
-            token_ids = engine.inputs.truncated(token_ids, req.params)
-            p.check_room(len(token_ids), req.max_tokens, engine.max_model_len, "messages")
-            added: list[str] = []
-            try:
-                for rid, params in children:
-                    engine.add_request(rid, prompt, params, prompt_token_ids=token_ids)
-                    added.append(rid)
-            except BaseException:
-                for rid in added:
-                    engine.abort(rid)
-                raise
+        def add(engine: LLMEngine) -> None:  # on the engine thread: it owns the tokenizer
+            engine.add_requests([chat])
 
-        choices = _Choices([rid for rid, _ in children], [0] * len(children))
-        return await self._generate(request, req, request_id, choices, add, chat=True)
+        answer = _Answer([request_id], req.params.n)
+        return await self._generate(request, req, request_id, answer, add, chat=True)
 
     async def _generate(
         self,
         http_request: Request,
         req: GenerateRequest,
         request_id: str,
-        choices: _Choices,
-        add: Callable[[Any], None],
+        answer: _Answer,
+        add: Callable[[LLMEngine], None],
         chat: bool,
     ) -> Response:
-        """Add the engine requests of ``choices`` (one per choice) and answer with their
-        outputs."""
+        """Add the engine requests of ``answer`` (``add``: through the engine's front door,
+        ``LLMEngine.add_requests``) and answer with their outputs."""
         self._check_model(req.model)
         if not self.engine_loop.accepting:
             raise ApiError(503, "the server is stopping", "service_unavailable")
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())  # every choice's outputs
         try:
-            await asyncio.wrap_future(self.engine_loop.add(choices.ids, sink, add))
+            await asyncio.wrap_future(self.engine_loop.add(answer.ids, sink, add))
         except (ValueError, TypeError) as e:
             raise p.bad_request(str(e), getattr(e, "param", None)) from None
         except QueueFullError as e:
@@ -255,11 +239,11 @@ class _Routes:
         except (EngineDeadError, EngineFailure) as e:
             raise ApiError(503, str(e), "service_unavailable") from None
         if req.stream:
-            events = self._stream(req, request_id, choices, sink, chat)
+            events = self._stream(req, request_id, answer, sink, chat)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            answer = await self._complete(http_request, req, request_id, choices, sink, chat)
-            return JSONResponse(answer)
+            body = await self._complete(http_request, req, request_id, answer, sink, chat)
+            return JSONResponse(body)
         except _ClientGone:  # aborted; nobody reads this
             return Response(status_code=499)
 
@@ -268,37 +252,36 @@ class _Routes:
         request: Request,
         req: GenerateRequest,
         request_id: str,
-        choices: _Choices,
+        answer: _Answer,
         sink: Sink,
         chat: bool,
     ) -> dict[str, Any]:
         reader = _Reader(sink, request)
         try:
-            while not choices.all_finished:
-                choices.update(_checked(await reader.next()))
+            while not answer.all_finished:
+                answer.update(_checked(await reader.next()))
         finally:
-            for rid in choices.unfinished:  # the client is gone (or we were cancelled)
+            for rid in answer.unfinished:  # the client is gone (or we were cancelled)
                 self.engine_loop.abort(rid)
         answers = []
-        for index, out in enumerate(choices.final):
-            c = out.outputs[0]
-            echo = choices.echo[index] if choices.echo else ""
+        for _, prompt_idx, out, c in answer.choices():
+            echo = answer.echo[prompt_idx] if answer.echo else ""
             token_ids, text = ([], "") if req.echo_only else (c.token_ids, c.text)
             logprobs = None if c.logprobs is None else c.logprobs[: len(token_ids)]
             lp = _logprobs(req, token_ids, logprobs, chat, text_offset=len(echo))
             if echo and lp is not None:
-                lp = p.joined_logprobs(choices.echoed_logprobs(index, out), lp)
-            answer = {"text": echo + text, "finish_reason": c.finish_reason, "logprobs": lp}
+                lp = p.joined_logprobs(answer.echoed_logprobs(prompt_idx, out), lp)
+            choice = {"text": echo + text, "finish_reason": c.finish_reason, "logprobs": lp}
             if req.params.prompt_logprobs is not None:  # vLLM's field
-                answer["prompt_logprobs"] = p.prompt_logprobs_json(out.prompt_logprobs)
-            answers.append(answer)
-        use = choices.usage()
+                choice["prompt_logprobs"] = p.prompt_logprobs_json(out.prompt_logprobs)
+            answers.append(choice)
+        use = answer.usage()
         if chat:
             return p.chat_response(request_id, self.model, answers, use)
         return p.completion_response(request_id, self.model, answers, use)
 
     async def _stream(
-        self, req: GenerateRequest, request_id: str, choices: _Choices, sink: Sink, chat: bool
+        self, req: GenerateRequest, request_id: str, answer: _Answer, sink: Sink, chat: bool
     ) -> AsyncIterator[str]:
         """Server-sent events: a chunk per new text of a choice (with the log-probabilities
         of its new tokens when asked for), its finish reason, usage if asked for,
@@ -306,50 +289,54 @@ class _Routes:
         aborted."""
         try:
             if chat:
-                for index in range(len(choices.ids)):
-                    delta = {"role": "assistant"}
-                    yield _sse(p.chat_chunk(request_id, self.model, delta, None, index))
-            num_sent = [0] * len(choices.ids)  # characters of each choice's text streamed
-            tokens_sent = [0] * len(choices.ids)  # and tokens (their log-probabilities)
+                for index in range(answer.num_choices):
+                    role = {"role": "assistant"}
+                    yield _sse(p.chat_chunk(request_id, self.model, role, None, index))
+            num_sent = [0] * answer.num_choices  # characters of each choice's text streamed
+            tokens_sent = [0] * answer.num_choices  # and tokens (their log-probabilities)
             stops = req.params.stop
-            while not choices.all_finished:
+            while not answer.all_finished:
                 try:
                     out = _checked(await sink.queue.get())
                 except ApiError as e:
-                    choices.failed = True
+                    answer.failed = True
                     yield _sse(e.body())
                     break
-                index = choices.update(out)
-                completion = out.outputs[0]
-                text = "" if req.echo_only else completion.text
-                token_ids = [] if req.echo_only else completion.token_ids
-                end = len(text) if out.finished else _safe_end(text, stops)
-                delta, num_sent[index] = text[num_sent[index] : end], max(num_sent[index], end)
-                if delta or out.finished:
+                prompt_idx = answer.update(out)
+                for completion in out.outputs:  # every completion of the prompt, merged
+                    index = prompt_idx * answer.n + completion.index
+                    text = "" if req.echo_only else completion.text
+                    token_ids = [] if req.echo_only else completion.token_ids
+                    end = len(text) if completion.finished else _safe_end(text, stops)
+                    delta = text[num_sent[index] : end]
+                    num_sent[index] = max(num_sent[index], end)
+                    if not (delta or (completion.finished and not answer.sent_end[index])):
+                        continue
+                    answer.sent_end[index] = completion.finished
                     first, tokens_sent[index] = tokens_sent[index], len(token_ids)
                     new = token_ids[first:]
                     lp = None
-                    echo = choices.echo[index] if choices.echo else ""
+                    echo = answer.echo[prompt_idx] if answer.echo else ""
                     if completion.logprobs is not None:
                         lp = _logprobs(
                             req, new, completion.logprobs[first : len(token_ids)], chat,
                             text_offset=len(echo) + num_sent[index] - len(delta),
                         )  # fmt: skip
                     reason = completion.finish_reason
-                    if echo and not choices.echoed[index]:  # the first chunk: its prompt
-                        choices.echoed[index] = True
+                    if echo and not answer.echoed[index]:  # the first chunk: its prompt
+                        answer.echoed[index] = True
                         delta = echo + delta
                         if lp is not None:
-                            lp = p.joined_logprobs(choices.echoed_logprobs(index, out), lp)
+                            lp = p.joined_logprobs(answer.echoed_logprobs(prompt_idx, out), lp)
                     yield _sse(self._chunk(request_id, delta, reason, chat, index, lp))
-            if req.include_usage and choices.all_finished and not choices.failed:
+            if req.include_usage and answer.all_finished and not answer.failed:
                 chunk = self._chunk(request_id, "", None, chat, 0)
                 chunk["choices"] = []
-                chunk["usage"] = choices.usage()
+                chunk["usage"] = answer.usage()
                 yield _sse(chunk)
             yield "data: [DONE]\n\n"
         finally:
-            for rid in choices.unfinished:
+            for rid in answer.unfinished:
                 self.engine_loop.abort(rid)
 
     def _chunk(
@@ -367,7 +354,7 @@ class _Routes:
         return p.completion_chunk(request_id, self.model, text, finish_reason, index, logprobs)
 
 
-def _text_of(engine: Any, token_id: int) -> str:
+def _text_of(engine: LLMEngine, token_id: int) -> str:
     """A token's text as log-probabilities show it (vLLM's ``token_id:<id>`` without a
     tokenizer)."""
     text = engine.token_text(token_id)
@@ -390,35 +377,48 @@ def _logprobs(
     return p.completion_logprobs(token_ids, logprobs, text_offset)
 
 
-class _Choices:
-    """The engine requests of one HTTP request (one per choice, ``ids`` in choice order,
-    ``prompts[i]``: the prompt choice ``i`` completes) and their latest outputs."""
+class _Answer:
+    """The engine requests of one HTTP request (``ids``: one per prompt, in prompt order) and
+    their latest outputs. Each has ``n`` completions, merged by the engine
+    (``LLMEngine.step`` hands out a parent request's output with all of them): choice
+    ``i * n + j`` is prompt ``i``'s completion ``j``."""
 
-    def __init__(self, ids: list[str], prompts: list[int]) -> None:
+    def __init__(self, ids: list[str], n: int) -> None:
         self.ids = ids
-        self.prompts = prompts
+        self.n = n
+        self.num_choices = len(ids) * n
         self._index = {rid: i for i, rid in enumerate(ids)}
         self._latest: list[Any] = [None] * len(ids)
         self.failed = False  # the stream ended on an error
-        self.echo: list[str] = []  # with echo: each choice's prompt text, set when added
+        self.echo: list[str] = []  # with echo: each prompt's text, set when added
         self.first_text: list[str] = []  # and with logprobs: its first token's text
-        self.echoed = [False] * len(ids)  # streaming: the prompt has been sent
+        self.echoed = [False] * self.num_choices  # streaming: the prompt has been sent
+        self.sent_end = [False] * self.num_choices  # streaming: the finish reason has been sent
         self.echo_only = False  # ``max_tokens: 0`` with echo: no completion tokens
 
-    def echoed_logprobs(self, index: int, out: Any) -> dict[str, Any]:
-        """The ``logprobs`` of choice ``index``'s echoed prompt (``out``: its output), its
-        text offsets from 0; empty if the prompt's never came (the request failed first)."""
+    def echoed_logprobs(self, prompt_idx: int, out: RequestOutput) -> dict[str, Any]:
+        """The ``logprobs`` of prompt ``prompt_idx``'s echo (``out``: its output), its text
+        offsets from 0; empty if the prompt's never came (the request failed first)."""
         if out.prompt_logprobs is None:
             return p.completion_logprobs([], [])
         return p.completion_logprobs(
-            out.prompt_token_ids, out.prompt_logprobs, first_text=self.first_text[index]
+            out.prompt_token_ids, out.prompt_logprobs, first_text=self.first_text[prompt_idx]
         )
 
-    def update(self, out: Any) -> int:
-        """Record ``out``; its choice index."""
+    def update(self, out: RequestOutput) -> int:
+        """Record ``out``; its prompt's index."""
         index = self._index[out.request_id]
         self._latest[index] = out
         return index
+
+    def choices(self) -> list[tuple[int, int, Any, Any]]:
+        """Every choice of the final outputs, in choice order: ``(choice index, prompt
+        index, the prompt's output, the choice's completion)``."""
+        return sorted(
+            (i * self.n + c.index, i, out, c)
+            for i, out in enumerate(self._latest)
+            for c in out.outputs
+        )
 
     @property
     def unfinished(self) -> list[str]:
@@ -428,24 +428,18 @@ class _Choices:
     def all_finished(self) -> bool:
         return all(_done(o) for o in self._latest)
 
-    @property
-    def final(self) -> list[Any]:
-        return self._latest
-
     def usage(self) -> dict[str, int]:
-        """Each prompt's tokens once (``n`` choices of one prompt share it, as OpenAI
-        counts) and the completion tokens of every choice."""
-        prompt_tokens = {
-            prompt: len(o.prompt_token_ids)
-            for prompt, o in zip(self.prompts, self._latest, strict=True)
-            if o is not None
-        }
+        """Each prompt's tokens once (its ``n`` choices share it, as OpenAI counts) and the
+        completion tokens of every choice."""
         outs = [o for o in self._latest if o is not None]
-        completion_tokens = 0 if self.echo_only else sum(len(o.outputs[0].token_ids) for o in outs)
-        return p.usage(sum(prompt_tokens.values()), completion_tokens)
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+        completion_tokens = 0
+        if not self.echo_only:
+            completion_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        return p.usage(prompt_tokens, completion_tokens)
 
 
-def _done(out: Any) -> bool:
+def _done(out: RequestOutput) -> bool:
     return out is not None and out.finished
 
 
@@ -479,29 +473,14 @@ class _Reader:
             get.cancel()
 
 
-def _prompt_tokens(engine: Any, req: GenerateRequest, index: int, prompt: Any) -> list[int]:
-    """Prompt ``index``'s token ids, checked before any prompt of the request is added:
-    ids the model has, and room for an explicit ``max_tokens`` (400s naming ``prompt`` or
-    ``max_tokens``)."""
-    where = f"'prompt[{index}]'" if len(req.prompts) > 1 else "'prompt'"
-    try:
-        tokens = prompt.token_ids if prompt.token_ids is not None else engine.tokenize(prompt.text)
-        tokens = engine.inputs.truncated(list(tokens), req.params)
-        engine.validate_prompt(tokens, where)
-    except ValueError as e:
-        raise p.ParamError(str(e), "prompt") from None
-    p.check_room(len(tokens), req.max_tokens, engine.max_model_len, where)
-    return list(tokens)
-
-
 def _checked(item: Any) -> Any:
     """A ``RequestOutput`` from a sink, or the ``ApiError`` its failure means."""
     if isinstance(item, EngineFailure):
         raise ApiError(503, f"the request could not finish: {item}", "service_unavailable")
-    completion = item.outputs[0]
-    if completion.finish_reason == "error":
-        message = completion.error or item.error or "the request failed"
-        raise ApiError(500, message, "server_error")
+    for completion in item.outputs:
+        if completion.finish_reason == "error":
+            message = completion.error or item.error or "the request failed"
+            raise ApiError(500, message, "server_error")
     return item
 
 
@@ -526,10 +505,10 @@ async def _json_body(request: Request) -> Any:
         raise p.bad_request(f"the request body is not valid JSON: {e}") from None
 
 
-def render_chat(engine: Any, messages: Any) -> tuple[str, list[int]]:
-    """The prompt of a chat and its token ids (``InputProcessor.render_chat``: the one
-    place that renders chats, for ``LLM.chat`` and ``generate --chat`` too); a model
-    without a template, or messages it refuses, is a 400."""
+def render_chat(engine: LLMEngine, messages: Any) -> tuple[str, list[int]]:
+    """``/tokenize``'s chat: its prompt and token ids (``InputProcessor.render_chat``, the
+    one place that renders chats, which the front door uses too); a model without a
+    template, or messages it refuses, is a 400."""
     try:
         return engine.inputs.render_chat(messages)
     except ValueError as e:

@@ -1,7 +1,7 @@
 """The last minute of the pipeline's bubbles, for ``GET /metrics``.
 
-The engine thread feeds this window the same records it streams into a run dir's
-``events.jsonl`` (an in-memory ``EventLog`` on the same clock: with a run dir, the run
+An observer of the engine loop (``LLMEngine.add_observer``): the engine thread feeds this
+window the same records its recorder streams into a run dir's ``events.jsonl`` (an in-memory ``EventLog`` on the same clock: with a run dir, the run
 dir's own ``t0``), and trims it to whole micro-batches of the last few minutes, so memory
 stays bounded under continuous traffic. At a scrape the HTTP thread analyzes a copy with
 the report's own code (``report.interval``): per stage, the fraction of the last
@@ -18,7 +18,8 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from sarathi_pp.events import EventLog
+from sarathi_pp.records.events import EventLog
+from sarathi_pp.records.observer import Observer
 from sarathi_pp.report.bubbles import BUBBLE_CLASSES
 from sarathi_pp.report.interval import IntervalBubbles, interval_bubbles
 from sarathi_pp.report.log import parse_log
@@ -28,7 +29,7 @@ KEEP_S = 180.0  # what is kept: enough micro-batches before the window to classi
 _TRIM_EVERY = 256  # records between trims
 
 
-class BubbleWindow:
+class BubbleWindow(Observer):
     def __init__(self, num_stages: int, t0: float, now: Any) -> None:
         """``t0``: the clock's origin (the run dir's, when there is one); ``now``: the
         engine's clock."""
@@ -38,7 +39,7 @@ class BubbleWindow:
         self._lock = threading.Lock()
         self._since_trim = 0
 
-    # --- the engine thread (the recorder's calls) ----------------------------------------
+    # --- the engine thread (an observer's calls) ------------------------------------------
     def idle(self, now: float, reason: str | None) -> None:
         if reason is not None:
             with self._lock:

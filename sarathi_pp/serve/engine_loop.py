@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from sarathi_pp.engine import LLMEngine
 from sarathi_pp.serve.bubble_window import BubbleWindow
 from sarathi_pp.serve.metrics import ServerMetrics
 
@@ -49,35 +50,8 @@ class Sink:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-class _StageTimes:
-    """The engine's recorder, also handing the loop's records to the metrics: each completed
-    micro-batch's stage timings, and every record to the bubble window (the engine's own
-    outputs carry no stage timings)."""
-
-    def __init__(self, recorder: Any, metrics: ServerMetrics, window: BubbleWindow) -> None:
-        self.recorder = recorder
-        self.metrics = metrics
-        self.window = window
-
-    def idle(self, now: float, reason: str | None) -> None:
-        self.recorder.idle(now, reason)
-        self.window.idle(now, reason)
-
-    def issued(self, microbatch: Any, now: float, **timing: Any) -> None:
-        self.recorder.issued(microbatch, now, **timing)
-        self.window.issued(microbatch, now, **timing)
-
-    def completed(self, microbatch: Any, result: Any, now: float, **timing: Any) -> None:
-        self.recorder.completed(microbatch, result, now, **timing)
-        self.metrics.stage_events(result.events)
-        self.window.completed(microbatch, result, now, **timing)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.recorder, name)
-
-
 class EngineLoop:
-    def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics or ServerMetrics()
         # The run dir's clock when there is one, so /metrics' interval reads against it.
@@ -85,8 +59,10 @@ class EngineLoop:
         t0 = events.t0 if events is not None else engine.now()
         window = BubbleWindow(engine.config.parallel.pipeline_parallel_size, t0, engine.now)
         self.metrics.watch_bubbles(window)
-        engine.recorder = _StageTimes(engine.recorder, self.metrics, window)
-        self._commands: queue.Queue[tuple[Callable[[Any], Any], Future]] = queue.Queue()
+        # Observers of the loop: stage times and finished requests, and the bubble window.
+        engine.add_observer(self.metrics)
+        engine.add_observer(window)
+        self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], Future]] = queue.Queue()
         self._sinks: dict[str, Sink] = {}  # request id -> sink; engine thread only
         self._stop = threading.Event()
         self.accepting = True  # false once a stop began: new requests get a 503
@@ -96,7 +72,7 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def call(self, fn: Callable[[Any], Any]) -> Future:
+    def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
         """Run ``fn(engine)`` on the engine thread; its result or exception in the future."""
         future: Future = Future()
         if not self._thread.is_alive():
@@ -105,11 +81,11 @@ class EngineLoop:
             self._commands.put((fn, future))
         return future
 
-    def add(self, request_ids: list[str], sink: Sink, add: Callable[[Any], Any]) -> Future:
+    def add(self, request_ids: list[str], sink: Sink, add: Callable[[LLMEngine], Any]) -> Future:
         """Run ``add(engine)`` (which adds ``request_ids``, all or none); on success their
         outputs go to ``sink``."""
 
-        def fn(engine: Any) -> Any:
+        def fn(engine: LLMEngine) -> Any:
             result = add(engine)
             for request_id in request_ids:
                 self._sinks[request_id] = sink
@@ -126,7 +102,7 @@ class EngineLoop:
         """Stop accepting and abort every request in flight (the start of a graceful stop)."""
         self.accepting = False
 
-        def fn(engine: Any) -> None:
+        def fn(engine: LLMEngine) -> None:
             for request_id in list(self._sinks):
                 engine.abort(request_id)
 
@@ -183,7 +159,7 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _get(self) -> tuple[Callable[[Any], Any], Future]:
+    def _get(self) -> tuple[Callable[[LLMEngine], Any], Future]:
         return self._commands.get_nowait()
 
     def _drain_commands(self) -> None:
@@ -206,7 +182,6 @@ class EngineLoop:
             sink = self._sinks.get(out.request_id)
             if out.finished:
                 self._sinks.pop(out.request_id, None)
-                self.metrics.finished(out)
             if sink is not None:
                 sink.put(out)
         self.metrics.engine_state(self.engine)

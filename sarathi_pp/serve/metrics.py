@@ -1,8 +1,9 @@
 """``GET /metrics``: the server's Prometheus metrics, in a registry of their own (two servers
 in one process, as in the tests, never share or collide).
 
-Updated by the engine thread only: ``finished`` per finished request, ``engine_state``
-after every step (gauges read from the scheduler there, never from the HTTP thread). The
+Updated by the engine thread only, as an observer of the engine loop
+(``records/observer.py``): ``finished`` per finished engine request, ``completed`` per
+micro-batch (each stage's compute time); and ``engine_state`` after every step (gauges read from the scheduler there, never from the HTTP thread). The
 bubble gauges (``bubble_window``) are computed at each scrape from the last minute's
 records.
 """
@@ -13,13 +14,16 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from sarathi_pp.engine import LLMEngine
+from sarathi_pp.outputs import RequestOutput
+from sarathi_pp.records.observer import Observer
 from sarathi_pp.serve.bubble_window import BubbleCollector, BubbleWindow
 
 # Seconds; a tiny CPU model answers in milliseconds, a large one in tens of seconds.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
-class ServerMetrics:
+class ServerMetrics(Observer):
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -69,8 +73,9 @@ class ServerMetrics:
         """Export the pipeline's bubbles over the last minute, computed at each scrape."""
         self.registry.register(BubbleCollector(window))
 
-    def finished(self, out: Any) -> None:
-        """One finished ``RequestOutput``."""
+    def finished(self, out: RequestOutput) -> None:
+        """One finished engine request's ``RequestOutput`` (each completion of ``n > 1`` is
+        its own engine request, as vLLM counts them)."""
         completion = out.outputs[0]
         self.requests.labels(finish_reason=completion.finish_reason or "unknown").inc()
         self.prompt_tokens.inc(len(out.prompt_token_ids))
@@ -83,6 +88,14 @@ class ServerMetrics:
         if m.e2e_latency is not None:
             self.e2e.observe(m.e2e_latency)
 
+    # --- as an observer of the engine loop (``LLMEngine.add_observer``) ------------------
+    def completed(
+        self, microbatch: Any, result: Any, now: float, wait: float | None = None,
+        full: bool | None = None,
+    ) -> None:  # fmt: skip
+        """A micro-batch's tokens are back: every stage's timing of it."""
+        self.stage_events(result.events)
+
     def stage_events(self, events: Any) -> None:
         """The ``StageEvent``s of one completed micro-batch (one per stage)."""
         for e in events:
@@ -90,7 +103,7 @@ class ServerMetrics:
             self.stage_busy.labels(stage=stage).inc(max(0.0, e.compute_end - e.compute_start))
             self.stage_microbatches.labels(stage=stage).inc()
 
-    def engine_state(self, engine: Any) -> None:
+    def engine_state(self, engine: LLMEngine) -> None:
         scheduler = engine.scheduler
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))

@@ -242,13 +242,13 @@ def sampling_params(
             repetition_penalty=float(_get(body, "repetition_penalty", "number", 1.0)),
             min_p=float(_get(body, "min_p", "number", 0.0)),
             min_tokens=_get(body, "min_tokens", "int", 0),
-            logit_bias=_logit_bias(body),
+            logit_bias=tuple(_logit_bias(body).items()),
             include_stop_str_in_output=_get(body, "include_stop_str_in_output", "bool", False),
             skip_special_tokens=_get(body, "skip_special_tokens", "bool", True),
             seed=_get(body, "seed", "int"),
             stop=_stop(body),
             ignore_eos=_get(body, "ignore_eos", "bool", False),
-            allowed_token_ids=_int_list(body, "allowed_token_ids"),
+            allowed_token_ids=_optional_tuple(_int_list(body, "allowed_token_ids")),
             bad_words=_bad_words(body),
             truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", "int"),
         )
@@ -273,6 +273,10 @@ def _bad_words(body: dict[str, Any]) -> tuple[str, ...]:
     if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
         raise bad_request(f"'bad_words' must be a list of strings, got {words!r}", "bad_words")
     return tuple(words)
+
+
+def _optional_tuple(values: list[int] | None) -> tuple[int, ...] | None:
+    return None if values is None else tuple(values)
 
 
 def _logit_bias(body: dict[str, Any]) -> dict[int, float]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import uvicorn
 
+from sarathi_pp.engine import LLMEngine
 from sarathi_pp.serve.app import create_app
 from sarathi_pp.serve.engine_loop import EngineLoop
 
@@ -37,7 +38,7 @@ class _Server(uvicorn.Server):
 
 
 def build_server(
-    engine: Any,
+    engine: LLMEngine,
     served_model_name: str,
     host: str = "127.0.0.1",
     port: int = 8000,

@@ -29,11 +29,11 @@ from sarathi_pp.bench.workload import BenchRequest
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.engine import LLMEngine
 from sarathi_pp.outputs import RequestOutput
+from sarathi_pp.records.run_dir import RunDir
 from sarathi_pp.report.bubbles import BUBBLE_CLASSES
 from sarathi_pp.report.log import load_log
 from sarathi_pp.report.request_bubbles import request_bubble_times
 from sarathi_pp.report.request_metrics import distribution, load_requests, request_summary
-from sarathi_pp.run_dir import RunDir
 from sarathi_pp.sim.clock import SimClock
 
 ROUTINGS = ("round_robin", "least_loaded")

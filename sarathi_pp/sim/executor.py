@@ -29,8 +29,7 @@ from dataclasses import dataclass
 
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import EngineConfig
-from sarathi_pp.events import StageEvent
-from sarathi_pp.microbatch import MicroBatch, StepResult
+from sarathi_pp.microbatch import MicroBatch, StageEvent, StepResult
 from sarathi_pp.placement import Placement, Resources, resolve_placement
 from sarathi_pp.planner.memory import StageMemory, spec_stage_memory, with_activations
 from sarathi_pp.sim.clock import SimClock

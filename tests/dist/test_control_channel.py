@@ -27,8 +27,7 @@ from sarathi_pp.comm.dist_setup import (
 )
 from sarathi_pp.comm.objects import MAX_MESSAGE_BYTES, ObjectChannel
 from sarathi_pp.comm.p2p import StageCommError
-from sarathi_pp.events import StageEvent
-from sarathi_pp.microbatch import MicroBatch, ScheduledChunk, StepResult
+from sarathi_pp.microbatch import MicroBatch, ScheduledChunk, StageEvent, StepResult
 from sarathi_pp.planner.memory import StageMemory
 from sarathi_pp.sampling_params import SamplingParams
 

@@ -17,9 +17,9 @@ import pytest
 
 from sarathi_pp import LLM, SamplingParams
 from sarathi_pp.engine import EngineDeadError
-from sarathi_pp.events import read_events
 from sarathi_pp.executors import StageError, StageLost
 from sarathi_pp.microbatch import MicroBatch
+from sarathi_pp.records.events import read_events
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = [[7 + i, 40, 3 * i + 1, 99, 5] * (2 + i) for i in range(6)]

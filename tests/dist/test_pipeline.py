@@ -334,7 +334,7 @@ def test_the_torchrun_launcher_without_torchrun_is_a_usage_error(llama_dir):
 
 
 def test_pp2_run_dir_records_every_microbatch_on_every_stage(ray_cluster, llama_dir, tmp_path):
-    from sarathi_pp.events import read_events
+    from sarathi_pp.records.events import read_events
 
     run = tmp_path / "run"
     prompts = make_prompts(lens=(30, 90, 60, 120, 10, 75), seed=6)

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from sarathi_pp import LLM, SamplingParams
-from sarathi_pp.events import read_events
+from sarathi_pp.records.events import read_events
 
 SCHEDULERS = ("sarathi", "vllm", "orca", "simple_chunking")
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -12,7 +12,7 @@ from helpers import record_ahead
 from test_ray_compiled import SCHEDULERS, make_prompts, one_stage_tokens, tokens
 
 from sarathi_pp import LLM
-from sarathi_pp.events import read_events
+from sarathi_pp.records.events import read_events
 from sarathi_pp.report import write_report
 
 KW = dict(max_model_len=256, dtype="float32")

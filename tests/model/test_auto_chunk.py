@@ -11,8 +11,8 @@ import random
 from helpers import assert_greedy_match, hf_greedy
 
 from sarathi_pp import LLM, SamplingParams
-from sarathi_pp.events import read_events
 from sarathi_pp.planner.memory import batch_bound, stage_bounds
+from sarathi_pp.records.events import read_events
 
 # B = 32 blocks x 16 tokens / max_model_len 128 = 4: 3 decodes per micro-batch, so the plan
 # is C = 3 x P:D clamped to [8, 96], plus 3, rounded down to the tile of 8 but keeping 8

@@ -16,7 +16,7 @@ from helpers import VARIANTS, assert_greedy_match, hf_greedy
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sarathi_pp.model_spec import load_model_spec
+from sarathi_pp.checkpoint import load_model_spec
 
 PROMPT = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]  # <s>Hello, world
 

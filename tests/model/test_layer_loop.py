@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from helpers import TINY_DIMS
 from transformers import LlamaConfig
 
+from sarathi_pp.checkpoint import load_model_spec
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
-from sarathi_pp.model_spec import load_model_spec
 from sarathi_pp.stages.kernels.cpu import layer_loop as kernel_layer_loop
 from sarathi_pp.stages.kernels.cpu import panel_gemm
 from sarathi_pp.stages.kernels.cpu.paged_attention import load_kernel, load_prefill

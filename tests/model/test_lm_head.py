@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sarathi_pp.model_spec import load_model_spec
+from sarathi_pp.checkpoint import load_model_spec
 from sarathi_pp.placement.partition import partition_layers
 from sarathi_pp.planner.memory import spec_stage_memory
 from sarathi_pp.stages.loader.weights import EMBED, LM_HEAD, load_tensors

@@ -152,11 +152,41 @@ def test_n_completions_are_seeded_children(llama_dir):
     assert greedy[0].outputs[0].token_ids == greedy[0].outputs[1].token_ids
 
 
-def test_the_engine_itself_takes_one_completion_per_request(llama_dir):
+def test_the_engine_takes_n_completions_as_one_parent_request(llama_dir):
+    """``add_request`` with ``n=2`` (the front door, ``add_requests``): two child requests
+    whose outputs ``step`` hands out merged under the parent's id, never a child's, one
+    output a step; the parent's id and its children's are in use while it runs; aborting
+    the parent ends every completion."""
+    greedy = SamplingParams(n=2, max_tokens=4, temperature=0.0, ignore_eos=True)
     with LLM(str(llama_dir), **KW) as llm:
-        with pytest.raises(ValueError, match="n=2"):
-            llm.engine.add_request("x", None, SamplingParams(n=2), prompt_token_ids=[1, 2])
-        assert not llm.engine.has_unfinished_requests()
+        engine = llm.engine
+        engine.add_request("x", None, greedy, prompt_token_ids=[1, 2, 3])
+        with pytest.raises(ValueError, match="'x' is already in use"):
+            engine.add_request("x", None, SamplingParams(), prompt_token_ids=[1])
+        with pytest.raises(ValueError, match="'1_x' is already in use"):
+            engine.add_request("1_x", None, SamplingParams(), prompt_token_ids=[1])
+        seen = []
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            assert len({o.request_id for o in outs}) == len(outs)  # one output a request
+            seen += outs
+        assert {o.request_id for o in seen} == {"x"}
+        assert [o.finished for o in seen].count(True) == 1 and seen[-1].finished
+        final = seen[-1]
+        assert [c.index for c in final.outputs] == [0, 1]
+        assert [len(c.token_ids) for c in final.outputs] == [4, 4]
+        assert final.outputs[0].token_ids == final.outputs[1].token_ids  # greedy
+
+        long = SamplingParams(n=3, max_tokens=100, temperature=1.0, seed=1, ignore_eos=True)
+        engine.add_request("y", None, long, prompt_token_ids=[1, 2, 3])
+        engine.step()
+        engine.abort("y")
+        outs = engine.step()
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        (last,) = [o for o in outs if o.finished]
+        assert last.request_id == "y"
+        assert [c.finish_reason for c in last.outputs] == ["abort"] * 3
 
 
 def test_a_failing_request_leaves_the_others_logprobs_whole(llama_dir):

@@ -19,7 +19,7 @@ from helpers import assert_greedy_match, hf_greedy
 
 from sarathi_pp.bench.peer_hf import run_hf_peer
 from sarathi_pp.bench.workload import BenchRequest
-from sarathi_pp.run_dir import RunDir
+from sarathi_pp.records.run_dir import RunDir
 
 ARRIVALS_S = (0.0, 0.3, 0.6)
 

@@ -13,11 +13,11 @@ import torch
 import yaml
 
 from sarathi_pp import LLM, load_config
-from sarathi_pp.block_manager import blocks_for
+from sarathi_pp.checkpoint import load_model_spec
 from sarathi_pp.cli import main
-from sarathi_pp.model_spec import load_model_spec
 from sarathi_pp.placement.partition import partition_layers
 from sarathi_pp.planner.memory import spec_stage_memory
+from sarathi_pp.scheduler.block_manager import blocks_for
 from sarathi_pp.stages.model.llama import StageModel
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

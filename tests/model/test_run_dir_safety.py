@@ -11,8 +11,8 @@ import pytest
 
 from sarathi_pp import LLM, LLMEngine, SamplingParams, load_config
 from sarathi_pp.cli import main
-from sarathi_pp.events import EventLog, read_events
-from sarathi_pp.run_dir import RunDir
+from sarathi_pp.records.events import EventLog, read_events
+from sarathi_pp.records.run_dir import RunDir
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -66,7 +66,7 @@ def test_overwrite_removes_exactly_what_the_project_wrote(llama_dir, tmp_path):
 
 
 def test_bench_overwrite_clears_stale_runs_and_keeps_the_rest(tmp_path):
-    from sarathi_pp.run_dir import BenchDir
+    from sarathi_pp.records.run_dir import BenchDir
 
     d = tmp_path / "bench"
     for sub in ("peer-hf", "vllm/probes/rate-2", "sarathi"):

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from sarathi_pp import LLM, SamplingParams
-from sarathi_pp.events import SCHEMA_VERSION, read_events
+from sarathi_pp.records.events import SCHEMA_VERSION, read_events
 
 
 @pytest.mark.parametrize("in_flight", [1, 2])

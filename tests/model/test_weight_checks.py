@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sarathi_pp import LLM
-from sarathi_pp.model_spec import load_model_spec
+from sarathi_pp.checkpoint import load_model_spec
 from sarathi_pp.stages.loader.weights import expected_shape, load_tensors, stage_tensor_names
 
 INDEX = "model.safetensors.index.json"
@@ -114,7 +114,7 @@ def test_a_symlinked_folder_layout_still_loads(llama_sharded_dir, tmp_path):
 def test_tokenizer_never_trusts_remote_code(monkeypatch, llama_dir):
     import transformers
 
-    from sarathi_pp.tokenizer import load_tokenizer
+    from sarathi_pp.engine.tokenizer import load_tokenizer
 
     seen = {}
     real = transformers.AutoTokenizer.from_pretrained

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sarathi_pp.block_manager import BlockManager, blocks_for
 from sarathi_pp.sampling_params import SamplingParams
+from sarathi_pp.scheduler.block_manager import BlockManager, blocks_for
 from sarathi_pp.sequence import Sequence
 
 

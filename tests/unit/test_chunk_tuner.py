@@ -21,7 +21,6 @@ from test_scheduler import (
 )
 
 from sarathi_pp.config import CacheConfig, SchedulerConfig
-from sarathi_pp.events import EventLog
 from sarathi_pp.planner.chunk import planned_chunk_size
 from sarathi_pp.planner.memory import (
     StageMemory,
@@ -31,6 +30,7 @@ from sarathi_pp.planner.memory import (
     stage_bounds,
 )
 from sarathi_pp.planner.tuner import ChunkTuner
+from sarathi_pp.records.events import EventLog
 from sarathi_pp.report import load_log, write_report
 from sarathi_pp.report.text import format_comparison, format_run
 from sarathi_pp.scheduler import create_scheduler

@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sarathi_pp.comm.codec import MAX_DEPTH, WIRE_VERSION, CodecError, decode, encode, record_fields
-from sarathi_pp.events import StageEvent
 from sarathi_pp.microbatch import (
     MicroBatch,
     PromptChunkLogprobs,
     ScheduledChunk,
+    StageEvent,
     StepResult,
     TokenLogprobs,
 )

@@ -11,10 +11,9 @@ from sarathi_pp.config import (
     FLAT_KEYS,
     EngineConfig,
     SchedulerConfig,
-    load_config,
     make_config,
-    parse_set_value,
 )
+from sarathi_pp.config_file import load_config, parse_set_value
 
 
 def test_defaults():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sarathi_pp.faults import Fault, after_restart, parse_faults
+from sarathi_pp.fault_injection import Fault, after_restart, parse_faults
 
 
 def test_parse_and_applies():

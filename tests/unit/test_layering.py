@@ -79,3 +79,31 @@ def test_import_contracts_are_kept():
     proc = subprocess.run([exe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "0 broken" in proc.stdout
+
+
+def values_tier() -> list[str]:
+    """The modules of the contract's bottom tier (``a : b : ...``), from pyproject.toml."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    layers = config["tool"]["importlinter"]["contracts"][0]["layers"]
+    return [name.strip() for name in layers[-1].split(":")]
+
+
+def test_the_values_tier_imports_only_the_standard_library_and_values():
+    """No I/O library, no torch, nothing of the tiers above: every import of a value module
+    (inside functions too) is of the standard library or another value module."""
+    values = values_tier()
+    assert {"config", "microbatch", "sampling_params", "outputs"} <= set(values)
+    graph = grimp.build_graph("sarathi_pp", include_external_packages=True)
+    stdlib = set(sys.stdlib_module_names)
+    offenders = []
+    for name in values:
+        module = f"sarathi_pp.{name}"
+        for imported in sorted(graph.find_modules_directly_imported_by(module)):
+            top = imported.split(".")[0]
+            inner = imported.split(".")[1] if imported.startswith("sarathi_pp.") else None
+            if top in stdlib or (inner is not None and inner in values):
+                continue
+            offenders.append(f"{module} -> {imported}")
+    assert offenders == []

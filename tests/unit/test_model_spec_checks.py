@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from sarathi_pp.model_spec import load_model_spec, spec_from_dict
+from sarathi_pp.checkpoint import load_model_spec
+from sarathi_pp.model_spec import spec_from_dict
 
 GOOD = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 259, "hidden_size": 64,

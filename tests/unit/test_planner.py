@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from sarathi_pp.block_manager import blocks_for
 from sarathi_pp.config import CacheConfig, make_config
 from sarathi_pp.model_spec import ModelSpec
 from sarathi_pp.placement import Placement
@@ -30,6 +29,7 @@ from sarathi_pp.planner.memory import (
     stage_bounds,
     with_activations,
 )
+from sarathi_pp.scheduler.block_manager import blocks_for
 
 GiB = 1 << 30
 

@@ -15,13 +15,13 @@ import sim_runs
 
 from sarathi_pp.cli.report import add_parser as add_report_parser
 from sarathi_pp.cli.report import run_names
+from sarathi_pp.records.run_dir import REQUEST_COLUMNS
 from sarathi_pp.report import write_report
 from sarathi_pp.report.bubbles import BUBBLE_CLASSES
 from sarathi_pp.report.interval import interval_bubbles
 from sarathi_pp.report.log import load_log
 from sarathi_pp.report.request_metrics import distribution, load_requests, request_summary
 from sarathi_pp.report.text import format_comparison, ratio_text
-from sarathi_pp.run_dir import REQUEST_COLUMNS
 from sarathi_pp.sim.executor import Overheads
 
 DIST_KEYS = {"p50", "p90", "p99", "max", "mean"}
@@ -459,7 +459,7 @@ def test_main_exits_2_naming_the_file(tmp_path: Path, capsys):
 def test_metrics_from_hand_made_token_timelines(tmp_path: Path):
     """RequestOutput metrics -> requests.csv -> summary: every formula on known times."""
     from sarathi_pp.outputs import CompletionOutput, RequestMetrics, RequestOutput
-    from sarathi_pp.run_dir import RunDir
+    from sarathi_pp.records.run_dir import RunDir
 
     def out(rid: str, arrival: float, scheduled: float, times: list[float]) -> RequestOutput:
         m = RequestMetrics(arrival, scheduled, times[0], times[-1], list(times))

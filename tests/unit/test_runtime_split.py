@@ -11,7 +11,7 @@ import pytest
 import sim_runs
 from test_bubbles import check_exact, header, only, st
 
-from sarathi_pp.events import SCHEMA_VERSION, EventLog, read_events
+from sarathi_pp.records.events import SCHEMA_VERSION, EventLog, read_events
 from sarathi_pp.report.bubbles import (
     BUBBLE_CLASSES,
     RUNTIME_CLASSES,

@@ -173,7 +173,7 @@ def test_bad_hardware_files(tmp_path: Path):
 
 
 def test_shipped_model_configs_load():
-    from sarathi_pp.model_spec import load_model_spec
+    from sarathi_pp.checkpoint import load_model_spec
 
     models = Path(__file__).resolve().parents[2] / "configs" / "models"
     sizes = {d.name: load_model_spec(d).num_params() / 1e9 for d in models.iterdir()}
@@ -370,7 +370,7 @@ def test_compact_event_log_reads_as_the_full_one(model_dir: Path, tmp_path: Path
 
 def test_compact_events_after_a_count(model_dir: Path, tmp_path: Path):
     """The switch mid-log (``auto`` does it at 2,000): both forms in one file read as one."""
-    from sarathi_pp.events import EventLog
+    from sarathi_pp.records.events import EventLog
 
     cluster = _cluster(model_dir, pp=2, chunk_size=128)
     cluster.serve_run(_requests(6), tmp_path / "full")

@@ -1,4 +1,4 @@
-"""Acts on ``parallel.inject_fault`` (testing only; ``sarathi_pp/faults.py`` has the format)
+"""Acts on ``parallel.inject_fault`` (testing only; ``sarathi_pp/fault_injection.py`` has the format)
 before a stage runs each micro-batch."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import logging
 import os
 import time
 
-from sarathi_pp.faults import Fault, InjectedFault, parse_faults
+from sarathi_pp.fault_injection import Fault, InjectedFault, parse_faults
 from sarathi_pp.microbatch import MicroBatch
 
 logger = logging.getLogger(__name__)

@@ -24,9 +24,10 @@ from sarathi_pp.scheduler.base import IDLE_RECOVERY
 
 if TYPE_CHECKING:
     from sarathi_pp.config import EngineConfig
-    from sarathi_pp.engine.recorder import Recorder
     from sarathi_pp.executors import Executor
     from sarathi_pp.microbatch import MicroBatch
+    from sarathi_pp.records.observer import Observers
+    from sarathi_pp.records.recorder import NullRecorder, RunRecorder
     from sarathi_pp.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -36,13 +37,14 @@ class EngineDeadError(RuntimeError):
     """The engine lost its pipeline for good; the message says why."""
 
 
-class PipelineFaults:
+class PipelineRecovery:
     """Mixed into ``LLMEngine``: the state it keeps in step when a step fails."""
 
     config: EngineConfig
     executor: Executor
     scheduler: Scheduler
-    recorder: Recorder
+    recorder: RunRecorder | NullRecorder
+    observe: Observers
     _inflight: deque[MicroBatch]
     dead_reason: str | None = None  # set when the pipeline is lost for good
     _restarts = 0  # lost stages replaced so far
@@ -97,7 +99,7 @@ class PipelineFaults:
         self._restarts += 1
         logger.warning("%s: replacing the stages (restart %d of %d)", error, self._restarts,
                        self.config.parallel.max_stage_restarts)  # fmt: skip
-        self.recorder.idle(self.now(), IDLE_RECOVERY)
+        self.observe.idle(self.now(), IDLE_RECOVERY)
         self._abandon_inflight(resync=False)
         # The new stages' caches are empty: every running sequence had KV there, whether
         # a lost micro-batch held it or not.

@@ -1,4 +1,4 @@
-"""A run's records: what the engine loop reports, streamed into the run dir.
+"""A run's records: what the engine loop reports (an ``Observer``), streamed into the run dir.
 
 ``RunRecorder`` writes nothing until the first request is added (a run whose input is
 refused leaves the folder as it was): then it creates the run dir (with ``overwrite``,
@@ -8,6 +8,8 @@ happen, flushed at least every second, so a crash loses at most the last second 
 long run holds no growing list. ``write`` flushes and rebuilds the report. A record that
 cannot be written (disk full, folder removed) is logged once and recording stops; the
 run and its outputs go on. ``NullRecorder`` takes the same calls and keeps nothing.
+``write`` rebuilds the report with the writer it was given (``report.write_report``,
+handed over by the engine: the records sit below the report, which reads their files).
 """
 
 from __future__ import annotations
@@ -15,74 +17,32 @@ from __future__ import annotations
 import csv
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any
 
 from sarathi_pp.config import EngineConfig
-from sarathi_pp.events import COMPACT_EVENTS_AFTER, EventLog
 from sarathi_pp.microbatch import MicroBatch, StepResult
 from sarathi_pp.outputs import RequestOutput
-from sarathi_pp.report import write_report
-from sarathi_pp.run_dir import REQUEST_COLUMNS, RunDir, request_row
-from sarathi_pp.scheduler import Scheduler
+from sarathi_pp.records.events import COMPACT_EVENTS_AFTER, EventLog
+from sarathi_pp.records.observer import Observer
+from sarathi_pp.records.run_dir import REQUEST_COLUMNS, RunDir, request_row
 from sarathi_pp.scheduler.base import IDLE_NO_WORK
+
+if TYPE_CHECKING:
+    from sarathi_pp.scheduler import Scheduler
+
+# Rebuilds a run dir's report files from its records; returns the summary.
+ReportWriter = Callable[[Path], dict[str, Any]]
 
 logger = logging.getLogger(__name__)
 
 
-class Recorder(Protocol):
-    @property
-    def run_dir(self) -> RunDir | None: ...
-    @property
-    def path(self) -> Path | None: ...
-
-    def before_schedule(self, now: float, scheduler: Scheduler) -> None: ...
-    def idle(self, now: float, reason: str | None) -> None: ...
-    def issued(self, microbatch: MicroBatch, now: float, submit: float | None = None) -> None: ...
-    def completed(
-        self,
-        microbatch: MicroBatch,
-        result: StepResult,
-        now: float,
-        wait: float | None = None,
-        full: bool | None = None,
-    ) -> None: ...
-    def added(self, arrival_time: float) -> None: ...
-    def finished(self, output: RequestOutput) -> None: ...
-    def write(self, now: float) -> dict[str, Any] | None: ...
-    def close(self) -> None: ...
-
-
-class NullRecorder:
+class NullRecorder(Observer):
     """No run dir: records nothing."""
 
-    run_dir = None
-    path = None
-
-    def before_schedule(self, now: float, scheduler: Scheduler) -> None:
-        pass
-
-    def idle(self, now: float, reason: str | None) -> None:
-        pass
-
-    def issued(self, microbatch: MicroBatch, now: float, submit: float | None = None) -> None:
-        pass
-
-    def completed(
-        self,
-        microbatch: MicroBatch,
-        result: StepResult,
-        now: float,
-        wait: float | None = None,
-        full: bool | None = None,
-    ) -> None:
-        pass
-
-    def added(self, arrival_time: float) -> None:
-        pass
-
-    def finished(self, output: RequestOutput) -> None:
-        pass
+    run_dir: RunDir | None = None
+    path: Path | None = None
 
     def write(self, now: float) -> dict[str, Any] | None:
         return None
@@ -99,12 +59,21 @@ def compact_after(compact_events: bool | str) -> int | None:
     return 0 if compact_events else None
 
 
-class RunRecorder:
+class RunRecorder(Observer):
     """Records into ``run_dir`` (checked, not created, by the caller); ``config`` is the
-    resolved config, ``now`` the log's time origin."""
+    resolved config, ``now`` the log's time origin, ``write_report`` what rebuilds the
+    report from the files."""
 
-    def __init__(self, run_dir: RunDir, config: EngineConfig, now: float, overwrite: bool) -> None:
+    def __init__(
+        self,
+        run_dir: RunDir,
+        config: EngineConfig,
+        now: float,
+        overwrite: bool,
+        write_report: ReportWriter,
+    ) -> None:
         self.run_dir = run_dir
+        self._write_report = write_report
         self.config = config
         self.overwrite = overwrite
         self.events = EventLog(
@@ -210,7 +179,7 @@ class RunRecorder:
         self._safely(self.events.idle, now, IDLE_NO_WORK)
         if self._broken:
             return None
-        return write_report(self.run_dir.path)
+        return self._write_report(self.run_dir.path)
 
     def close(self) -> None:
         """Flush and close the files (the engine shuts down, or another run starts); later

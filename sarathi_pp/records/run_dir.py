@@ -3,7 +3,7 @@
 A run dir (``RunDir``), written by the engine's recorder and read by ``sarathi-pp report``::
 
     config.yaml     the config in force, resolved (dtype, block size, max_model_len)
-    events.jsonl    the event log (``sarathi_pp/events.py`` has the schema)
+    events.jsonl    the event log (``sarathi_pp/records/events.py`` has the schema)
     requests.csv    one row per request (``REQUEST_COLUMNS``)
     summary.json    the report: bubbles per stage and class, request metrics
     trace.json      Chrome trace format (Perfetto)

@@ -57,9 +57,10 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
+
+from sarathi_pp.microbatch import StageEvent
 
 SCHEMA_VERSION = 3
 READABLE_SCHEMA_VERSIONS = (1, 2, 3)  # an older log lacks the optional fields
@@ -69,29 +70,6 @@ EVENT_TYPES = (
 # ``run.compact_events: auto``: completed micro-batches from this one on are compact records
 # (the same number of micro-batches the report's pictures draw at most).
 COMPACT_EVENTS_AFTER = 2000
-
-
-@dataclass(frozen=True, slots=True)
-class StageEvent:
-    """One stage's timing of one micro-batch (absolute monotonic seconds until written)."""
-
-    stage: int
-    mb: int
-    kind: str
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    wait_start: float
-    input_ready: float
-    compute_start: float
-    compute_end: float
-    send_end: float
-
-    def shifted(self, offset: float) -> StageEvent:
-        """The same event with ``offset`` subtracted from every time."""
-        d = asdict(self)
-        for k in ("wait_start", "input_ready", "compute_start", "compute_end", "send_end"):
-            d[k] -= offset
-        return StageEvent(**d)
 
 
 class EventLog:
