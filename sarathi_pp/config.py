@@ -315,6 +315,8 @@ class EngineConfig:
         return _apply(self.to_dict(), flat_or_dotted)
 
 
+# type: ignore: Field.type is typed type | str (a string under postponed annotations);
+# EngineConfig's sections are classes here, since this module defines them above.
 SECTIONS: dict[str, type] = {f.name: f.type for f in fields(EngineConfig)}  # type: ignore[misc]
 _SECTION_CLASSES = {
     "model": ModelConfig,
