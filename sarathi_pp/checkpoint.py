@@ -3,23 +3,25 @@ sequence length the engine runs with. ``load_checkpoint`` is the one place a ``m
 setting becomes these three, for the engine, every stage process, the planner and the
 profiler.
 
-Pure Python: a ``builtin:NAME`` model is built (with torch and transformers) by the module
-named in ``BUILTIN_RESOLVER``, imported only when such a model is asked for, so the engine
-loop and the simulator stay torch-free.
+Pure Python: a ``builtin:NAME`` model is built (with torch and transformers) by the resolver
+the caller passes in (``resolve_builtin``; the executors' registry hands out the stages'
+one, ``executors.builtin_resolver``), so this module and the engine loop stay torch-free and
+no tier below reaches up to find it.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from sarathi_pp.config import BUILTIN_PREFIX, ModelConfig
 from sarathi_pp.model_spec import ModelSpec, spec_from_dict
 
-BUILTIN_RESOLVER = "sarathi_pp.stages.loader.builtin:resolve_builtin"
+# ``builtin:NAME``'s NAME -> the local folder it is built (or converted) into.
+BuiltinResolver = Callable[[str], str]
 # A Hugging Face hub id: "org/name" (letters, digits, "-", "_", "."), not a local path.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # What a model needs from the hub: never the repo's other weights formats or its code.
@@ -33,20 +35,27 @@ class Checkpoint:
     max_model_len: int  # prompt + output tokens of one sequence, within the checkpoint's limit
 
 
-def load_checkpoint(model: ModelConfig) -> Checkpoint:
+def load_checkpoint(
+    model: ModelConfig, resolve_builtin: BuiltinResolver | None = None
+) -> Checkpoint:
     """Resolve ``model.path``, read its config.json and settle ``max_model_len``; bad
-    settings raise ``FileNotFoundError`` / ``ValueError`` naming the value."""
-    path = resolve_model_path(model.path)
+    settings raise ``FileNotFoundError`` / ``ValueError`` naming the value.
+    ``resolve_builtin`` builds a ``builtin:NAME`` model (needed only for those)."""
+    path = resolve_model_path(model.path, resolve_builtin)
     spec = load_model_spec(path)
     return Checkpoint(path, spec, resolve_max_model_len(model, spec))
 
 
-def resolve_model_path(path: str) -> str:
-    """A local folder for ``path``: the folder itself, the built ``builtin:NAME``, or the
-    snapshot of hub id ``org/name`` (the local hub cache first, then a download)."""
+def resolve_model_path(path: str, resolve_builtin: BuiltinResolver | None = None) -> str:
+    """A local folder for ``path``: the folder itself, the built ``builtin:NAME`` (through
+    ``resolve_builtin``), or the snapshot of hub id ``org/name`` (the local hub cache
+    first, then a download)."""
     if path.startswith(BUILTIN_PREFIX):
-        module, _, name = BUILTIN_RESOLVER.partition(":")
-        resolve_builtin = getattr(importlib.import_module(module), name)
+        if resolve_builtin is None:
+            raise ValueError(
+                f"model {path!r} is a builtin model, and no builtin resolver was given "
+                "(pass executors.builtin_resolver() to load_checkpoint)"
+            )
         return resolve_builtin(path[len(BUILTIN_PREFIX) :])
     p = Path(path).expanduser()
     if p.is_dir():

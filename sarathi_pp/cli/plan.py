@@ -20,6 +20,7 @@ from typing import Any
 from sarathi_pp.checkpoint import load_checkpoint
 from sarathi_pp.cli.common import add_engine_args, config_from_args, user_errors
 from sarathi_pp.cli.plan_simulate import add_simulate_args, run_simulated
+from sarathi_pp.executors import builtin_resolver
 from sarathi_pp.placement import resolve_placement
 from sarathi_pp.planner.chunk import pd_ratio_of
 from sarathi_pp.planner.recommend import WorkloadInfo, make_plan
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             raise FileNotFoundError(
                 f"output folder {str(Path(args.output).parent)!r} does not exist"
             )
-        checkpoint = load_checkpoint(config.model)
+        checkpoint = load_checkpoint(config.model, builtin_resolver())
         placement = resolve_placement(config, checkpoint.spec, probe_resources())
         workload = workload_info(args, checkpoint.spec.vocab_size, checkpoint.max_model_len)
         plan = make_plan(config, checkpoint, placement, workload, args.profile, args.max_overhead)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from sarathi_pp.checkpoint import load_checkpoint
 from sarathi_pp.cli.common import add_engine_args, config_from_args, user_errors
+from sarathi_pp.executors import builtin_resolver
 from sarathi_pp.placement import resolve_placement
 from sarathi_pp.planner.profile_analysis import (
     GridPoint,
@@ -253,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         grid = grid_args(args)
         path = output_path(args.output, config.run.run_dir, config.run.overwrite)
-        checkpoint = load_checkpoint(config.model)
+        checkpoint = load_checkpoint(config.model, builtin_resolver())
         model_dir, spec, max_model_len = checkpoint.path, checkpoint.spec, checkpoint.max_model_len
         placement = resolve_placement(config, spec, probe_resources())
         num_stages = config.parallel.pipeline_parallel_size

@@ -39,8 +39,8 @@ from sarathi_pp.microbatch import (
     StepResult,
     TokenLogprobs,
 )
-from sarathi_pp.planner.memory import StageMemory
 from sarathi_pp.sampling_params import SamplingParams
+from sarathi_pp.stage_memory import StageMemory
 
 # 2: prompt log-probabilities (chunk targets, step results); 3: M_A; 4: allowed_token_ids,
 # bad_words, truncate_prompt_tokens

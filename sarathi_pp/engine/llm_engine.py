@@ -30,7 +30,7 @@ from sarathi_pp.engine.input_processor import InputProcessor, ProcessedRequest, 
 from sarathi_pp.engine.output_processor import OutputProcessor
 from sarathi_pp.engine.parallel_sampling import ParentRequest
 from sarathi_pp.engine.recovery import PipelineRecovery
-from sarathi_pp.executors import Executor, create_executor
+from sarathi_pp.executors import Executor, builtin_resolver, create_executor
 from sarathi_pp.interrupts import deferred_interrupts
 from sarathi_pp.microbatch import MicroBatch, StepResult
 from sarathi_pp.outputs import RequestOutput
@@ -70,7 +70,7 @@ class LLMEngine(PipelineRecovery):
         if config.run.run_dir is not None:  # refuse a used run dir before any work
             run_dir = RunDir.check(config.run.run_dir, config.run.overwrite)
         self.config = config
-        self.checkpoint = load_checkpoint(config.model)
+        self.checkpoint = load_checkpoint(config.model, builtin_resolver())
         self.inputs = InputProcessor(config.model, self.checkpoint)
         self.tokenizer = self.inputs.tokenizer
         check_num_stages(self.spec, config.parallel.pipeline_parallel_size)

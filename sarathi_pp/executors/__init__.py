@@ -5,8 +5,16 @@ from sarathi_pp.executors.base import (
     Executor,
     StageError,
     StageLost,
+    builtin_resolver,
     create_executor,
     executor_names,
 )
 
-__all__ = ["Executor", "StageError", "StageLost", "create_executor", "executor_names"]
+__all__ = [
+    "Executor",
+    "StageError",
+    "StageLost",
+    "builtin_resolver",
+    "create_executor",
+    "executor_names",
+]

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Protocol
 from sarathi_pp.config import EXECUTORS
 
 if TYPE_CHECKING:
-    from sarathi_pp.checkpoint import Checkpoint
+    from sarathi_pp.checkpoint import BuiltinResolver, Checkpoint
     from sarathi_pp.config import EngineConfig
     from sarathi_pp.microbatch import MicroBatch, StepResult
     from sarathi_pp.placement import Placement
-    from sarathi_pp.planner.memory import StageMemory
+    from sarathi_pp.stage_memory import StageMemory
 
 
 class StageError(RuntimeError):
@@ -76,6 +76,23 @@ _EXECUTORS = {
     "torchrun": "sarathi_pp.executors.torchrun:TorchrunExecutor",
 }
 assert set(_EXECUTORS) == set(EXECUTORS) - {"auto"}, (_EXECUTORS, EXECUTORS)
+
+
+# The stages' builder of ``builtin:NAME`` models (torch and transformers), handed to
+# ``checkpoint.load_checkpoint`` from here: the registry is where the torch-free engine
+# reaches the stages' code, so the checkpoint module (a tier below) never looks upward.
+_BUILTIN_RESOLVER = "sarathi_pp.stages.loader.builtin:resolve_builtin"
+
+
+def builtin_resolver() -> BuiltinResolver:
+    """The resolver of ``builtin:NAME`` models; torch is imported only when one is built."""
+
+    def resolve(name: str) -> str:
+        module, _, fn = _BUILTIN_RESOLVER.partition(":")
+        resolve_builtin: BuiltinResolver = getattr(importlib.import_module(module), fn)
+        return resolve_builtin(name)
+
+    return resolve
 
 
 def executor_names() -> list[str]:

@@ -62,7 +62,8 @@ from sarathi_pp.placement import (
     partition_layers,
     resolve_placement,
 )
-from sarathi_pp.planner.memory import StageMemory, with_activations
+from sarathi_pp.planner.memory import with_activations
+from sarathi_pp.stage_memory import StageMemory
 from sarathi_pp.stages.worker.device import probe_resources
 from sarathi_pp.stages.worker.model_runner import StageSpec
 

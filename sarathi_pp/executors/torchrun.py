@@ -49,7 +49,9 @@ from sarathi_pp.microbatch import (
     without_failed,
 )
 from sarathi_pp.placement import Placement, Resources, resolve_placement
-from sarathi_pp.planner.memory import StageMemory, with_activations
+from sarathi_pp.planner.memory import with_activations
+from sarathi_pp.stage_memory import StageMemory
+from sarathi_pp.stages.loader.builtin import resolve_builtin
 from sarathi_pp.stages.worker.device import probe_resources
 from sarathi_pp.stages.worker.model_runner import StageSpec
 from sarathi_pp.stages.worker.pipeline_stage import PipelineStage
@@ -298,7 +300,7 @@ def _unexpected(rank: int, got: object, expected: str) -> StageError:
 def resolve_stage(config: EngineConfig) -> tuple[Checkpoint, Placement]:
     """What a rank's stage runs; bad settings raise here, before any group is joined."""
     check_world_size(config)
-    checkpoint = load_checkpoint(config.model)
+    checkpoint = load_checkpoint(config.model, resolve_builtin)
     return checkpoint, resolve_placement(config, checkpoint.spec, torchrun_resources())
 
 

@@ -15,7 +15,8 @@ from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.microbatch import MicroBatch, StageEvent, StepResult, fill_ring
 from sarathi_pp.placement import resolve_placement
-from sarathi_pp.planner.memory import StageMemory, with_activations
+from sarathi_pp.planner.memory import with_activations
+from sarathi_pp.stage_memory import StageMemory
 from sarathi_pp.stages.worker.device import probe_resources, set_num_threads
 from sarathi_pp.stages.worker.fault_injector import FaultInjector
 from sarathi_pp.stages.worker.model_runner import ModelRunner, StageSpec

@@ -26,23 +26,12 @@ from sarathi_pp.model_spec import DTYPE_BYTES, ModelSpec
 from sarathi_pp.placement import Placement
 from sarathi_pp.placement.partition import partition_layers, stage_params
 from sarathi_pp.scheduler.block_manager import blocks_for
+from sarathi_pp.stage_memory import PROMPT_LOGITS_ROWS, StageMemory
 
-# Prompt rows the last stage turns into logits at once (``SamplingParams.prompt_logprobs``):
-# 256 rows of a 150K vocabulary are 150 MB of float32.
-PROMPT_LOGITS_ROWS = 256
 # float32 copies of a row's logits alive at once on the last stage: the logits, the
 # processed copy sampled from (temperature, penalties, bias) and its probabilities or
 # log-probabilities.
 LOGIT_COPIES = 3
-
-
-@dataclass(frozen=True)
-class StageMemory:
-    stage_idx: int
-    param_bytes: int  # M_S
-    kv_bytes_per_token: int  # m_kv
-    memory_bytes: int  # M_G
-    activation_bytes: int = 0  # M_A: peak activations (CUDA; ``with_activations``)
 
 
 def dtype_bytes(dtype: str) -> int:

@@ -7,8 +7,9 @@ from typing import Any
 
 from sarathi_pp.model_spec import ModelSpec
 from sarathi_pp.planner.chunk import ChunkPlan, DecodeCoverage
-from sarathi_pp.planner.memory import StageBound, StageMemory, dtype_bytes
+from sarathi_pp.planner.memory import StageBound, dtype_bytes
 from sarathi_pp.planner.recommend import Plan
+from sarathi_pp.stage_memory import StageMemory
 
 
 def kv_formula(spec: ModelSpec, num_layers: int, dtype: str) -> str:

@@ -31,9 +31,10 @@ from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.microbatch import MicroBatch, StageEvent, StepResult
 from sarathi_pp.placement import Placement, Resources, resolve_placement
-from sarathi_pp.planner.memory import StageMemory, spec_stage_memory, with_activations
+from sarathi_pp.planner.memory import spec_stage_memory, with_activations
 from sarathi_pp.sim.clock import SimClock
 from sarathi_pp.sim.cost_model import CostModel
+from sarathi_pp.stage_memory import StageMemory
 
 
 @dataclass(frozen=True)

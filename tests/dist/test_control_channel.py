@@ -28,8 +28,8 @@ from sarathi_pp.comm.dist_setup import (
 from sarathi_pp.comm.objects import MAX_MESSAGE_BYTES, ObjectChannel
 from sarathi_pp.comm.p2p import StageCommError
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk, StageEvent, StepResult
-from sarathi_pp.planner.memory import StageMemory
 from sarathi_pp.sampling_params import SamplingParams
+from sarathi_pp.stage_memory import StageMemory
 
 TIMEOUT_S = 10.0
 EVENT = StageEvent(1, 4, "hybrid", 3, 1, 0.25, 0.5, 0.75, 1.0, 1.25)

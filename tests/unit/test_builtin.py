@@ -148,3 +148,18 @@ def test_default_recipe_dims() -> None:
     assert (spec.num_heads, spec.num_kv_heads, spec.num_layers) == (16, 4, 8)
     assert 80e6 < spec.num_params() < 120e6
     assert spec.vocab_size == BYTE_VOCAB_SIZE
+
+
+def test_checkpoint_takes_the_builtin_resolver_from_its_caller(tmp_path: Path) -> None:
+    """``checkpoint.py`` never finds the stages' builder itself: a ``builtin:`` model without
+    a resolver is a clear error naming it; the registry's resolver builds through the stages."""
+    from sarathi_pp.checkpoint import resolve_model_path
+    from sarathi_pp.executors import builtin_resolver
+
+    with pytest.raises(ValueError, match="'builtin:tiny-llama'.*no builtin resolver"):
+        resolve_model_path("builtin:tiny-llama")
+    asked: list[str] = []
+    assert resolve_model_path("builtin:x", lambda name: asked.append(name) or "/m") == "/m"
+    assert asked == ["x"]
+    with pytest.raises(ValueError, match="unknown builtin model 'nope'"):
+        builtin_resolver()("nope")

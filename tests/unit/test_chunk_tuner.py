@@ -23,7 +23,6 @@ from test_scheduler import (
 from sarathi_pp.config import CacheConfig, SchedulerConfig
 from sarathi_pp.planner.chunk import planned_chunk_size
 from sarathi_pp.planner.memory import (
-    StageMemory,
     batch_bound,
     engine_decode_batch,
     kv_decode_batch,
@@ -35,6 +34,7 @@ from sarathi_pp.report import load_log, write_report
 from sarathi_pp.report.text import format_comparison, format_run
 from sarathi_pp.scheduler import create_scheduler
 from sarathi_pp.sequence import SequenceStatus
+from sarathi_pp.stage_memory import StageMemory
 
 B, N = 65, 1  # 64 decodes per micro-batch
 

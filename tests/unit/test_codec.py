@@ -23,8 +23,8 @@ from sarathi_pp.microbatch import (
     StepResult,
     TokenLogprobs,
 )
-from sarathi_pp.planner.memory import StageMemory
 from sarathi_pp.sampling_params import SamplingParams
+from sarathi_pp.stage_memory import StageMemory
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
 IDS = st.integers(0, 2**31 - 1)

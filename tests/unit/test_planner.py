@@ -17,7 +17,6 @@ from sarathi_pp.planner.chunk import (
     round_to_tile,
 )
 from sarathi_pp.planner.memory import (
-    StageMemory,
     batch_bound,
     dtype_bytes,
     free_bytes,
@@ -30,6 +29,7 @@ from sarathi_pp.planner.memory import (
     with_activations,
 )
 from sarathi_pp.scheduler.block_manager import blocks_for
+from sarathi_pp.stage_memory import StageMemory
 
 GiB = 1 << 30
 

@@ -17,7 +17,7 @@ import torch
 from sarathi_pp.microbatch import MicroBatch, PromptChunkLogprobs, StepResult, TokenLogprobs
 from sarathi_pp.model_spec import ModelSpec
 from sarathi_pp.placement import Placement
-from sarathi_pp.planner.memory import PROMPT_LOGITS_ROWS, StageMemory
+from sarathi_pp.stage_memory import PROMPT_LOGITS_ROWS, StageMemory
 from sarathi_pp.stages.model.attention import ATTENTION_BACKENDS, select_backend
 from sarathi_pp.stages.model.kv_cache import KVCache
 from sarathi_pp.stages.model.llama import StageModel

@@ -31,7 +31,7 @@ from sarathi_pp.comm.p2p import StageTransport
 from sarathi_pp.comm.ring import TokenRing
 from sarathi_pp.config import ParallelConfig
 from sarathi_pp.microbatch import MicroBatch, StageEvent, StepResult, fill_ring
-from sarathi_pp.planner.memory import StageMemory
+from sarathi_pp.stage_memory import StageMemory
 from sarathi_pp.stages.worker.device import set_num_threads
 from sarathi_pp.stages.worker.fault_injector import FaultInjector
 from sarathi_pp.stages.worker.model_runner import ModelRunner, StageSpec
