@@ -37,7 +37,7 @@ class ScheduledChunk:
     # Prompt log-probabilities (``SamplingParams.prompt_logprobs``): the prompt tokens this
     # chunk's rows predict, row ``r`` the token at ``start + r + 1`` (so at most one per row,
     # none past the prompt), and how many of the most likely tokens to report beside each.
-    # The last stage answers in ``StepResult.prompt_logprobs``.
+    # The last stage answers in ``MicroBatchResult.prompt_logprobs``.
     prompt_targets: tuple[int, ...] = ()
     prompt_logprobs: int = 0
 
@@ -180,7 +180,7 @@ class StageEvent:
 
 
 @dataclass
-class StepResult:
+class MicroBatchResult:
     """What came back for one micro-batch: produced by the last stage, relayed by the
     executor, applied by the engine."""
 
@@ -195,7 +195,7 @@ class StepResult:
     # seq_id -> its chunk's prompt log-probabilities (``ScheduledChunk.prompt_targets``)
     prompt_logprobs: dict[int, PromptChunkLogprobs] = field(default_factory=dict)
 
-    def add(self, other: StepResult) -> None:
+    def add(self, other: MicroBatchResult) -> None:
         """Take ``other``'s tokens, log-probabilities and failures (a retry's, one
         sequence at a time)."""
         self.sampled.update(other.sampled)
@@ -205,13 +205,13 @@ class StepResult:
 
 
 def retry_one_at_a_time(
-    microbatch: MicroBatch, failed: StepResult, run: Callable[[MicroBatch], StepResult]
-) -> StepResult:
+    microbatch: MicroBatch, failed: MicroBatchResult, run: Callable[[MicroBatch], MicroBatchResult]
+) -> MicroBatchResult:
     """A stage raised on ``microbatch`` (``failed.failure``): its sequences again, each
     alone through ``run`` (a micro-batch through the pipeline -> its result), so only a
     request that fails alone fails (``errors``). The failed run's timing stands; the
     retries' are left out."""
-    result = StepResult(events=failed.events)
+    result = MicroBatchResult(events=failed.events)
     for chunk in microbatch.chunks:
         r = run(MicroBatch(microbatch.microbatch_id, (chunk,), microbatch.released))
         if r.failure is not None:
@@ -221,7 +221,7 @@ def retry_one_at_a_time(
     return result
 
 
-def without_failed(microbatch: MicroBatch, result: StepResult) -> MicroBatch:
+def without_failed(microbatch: MicroBatch, result: MicroBatchResult) -> MicroBatch:
     """``microbatch`` (same id) less the sequences ``result`` failed: a micro-batch that
     was behind a retried one goes again without them."""
     kept = tuple(c for c in microbatch.chunks if c.seq_id not in result.errors)

@@ -9,7 +9,7 @@ Wire form: msgpack (ints, floats, strings, lists only; no maps, no extension typ
   - ``["tuple", value, ...]``: a tuple of values (at most ``MAX_DEPTH`` deep);
   - ``[tag, field, ...]``: a record, its fields in declaration order (``_RECORDS``):
     ``microbatch`` (``MicroBatch``; its chunks are ``ScheduledChunk`` records with an
-    optional ``SamplingParams`` record), ``step_result`` (``StepResult``: ``sampled``,
+    optional ``SamplingParams`` record), ``microbatch_result`` (``MicroBatchResult``: ``sampled``,
     ``errors``, ``logprobs`` (``TokenLogprobs`` records) and ``prompt_logprobs``
     (``PromptChunkLogprobs`` records of ``TokenLogprobs``) as ``[[seq_id, value], ...]``,
     ``events`` as ``StageEvent`` records, ``failure`` a str or ``None``),
@@ -33,18 +33,18 @@ import msgpack
 
 from sarathi_pp.microbatch import (
     MicroBatch,
+    MicroBatchResult,
     PromptChunkLogprobs,
     ScheduledChunk,
     StageEvent,
-    StepResult,
     TokenLogprobs,
 )
 from sarathi_pp.sampling_params import SamplingParams
 from sarathi_pp.stage_memory import StageMemory
 
 # 2: prompt log-probabilities (chunk targets, step results); 3: M_A; 4: allowed_token_ids,
-# bad_words, truncate_prompt_tokens
-WIRE_VERSION = 4
+# bad_words, truncate_prompt_tokens; 5: "step_result" renamed "microbatch_result"
+WIRE_VERSION = 5
 MAX_DEPTH = 8  # tuples inside tuples; the deepest real message is 2: ("ok", .., (result, event))
 
 
@@ -267,8 +267,8 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
         "prompt_logprobs",
         {"first": INT, "tokens": _records(TokenLogprobs, tuple)},
     ),
-    StepResult: (
-        "step_result",
+    MicroBatchResult: (
+        "microbatch_result",
         {
             "sampled": _pairs(INT, INT),
             "errors": _pairs(INT, STR),
@@ -290,7 +290,7 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
     ),
 }
 _BY_TAG = {tag: cls for cls, (tag, _) in _RECORDS.items()}
-_TOP_LEVEL = ("microbatch", "step_result", "stage_event", "stage_memory")  # tagged values
+_TOP_LEVEL = ("microbatch", "microbatch_result", "stage_event", "stage_memory")  # tagged values
 
 
 def _fields_to_plain(cls: type, v: Any) -> list:

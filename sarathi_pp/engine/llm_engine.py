@@ -32,7 +32,7 @@ from sarathi_pp.engine.parallel_sampling import ParentRequest
 from sarathi_pp.engine.recovery import PipelineRecovery
 from sarathi_pp.executors import Executor, builtin_resolver, create_executor
 from sarathi_pp.interrupts import deferred_interrupts
-from sarathi_pp.microbatch import MicroBatch, StepResult
+from sarathi_pp.microbatch import MicroBatch, MicroBatchResult
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.placement.partition import check_num_stages
 from sarathi_pp.planner.memory import engine_decode_batch, num_kv_blocks
@@ -350,7 +350,7 @@ class LLMEngine(PipelineRecovery):
         self.observe.idle(self.now(), IDLE_DEPENDENCY)
 
     def _apply(
-        self, microbatch: MicroBatch, result: StepResult, wait: float, full: bool
+        self, microbatch: MicroBatch, result: MicroBatchResult, wait: float, full: bool
     ) -> list[RequestOutput]:
         now = self.now()
         self.observe.completed(microbatch, result, now, wait=wait, full=full)

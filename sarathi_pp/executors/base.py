@@ -10,7 +10,7 @@ Contract (``Executor``): ``placement`` is the resolved placement of the stages (
 placement rule on the resources the executor sees); ``load_model()`` -> per-stage memory
 figures; ``init_kv_cache``; ``submit(microbatch)`` issues a micro-batch (it may run
 asynchronously); ``wait_oldest()`` returns the oldest outstanding micro-batch with its
-``StepResult``; micro-batches complete in issue order. ``restart()`` replaces lost
+``MicroBatchResult``; micro-batches complete in issue order. ``restart()`` replaces lost
 stages (``StageLost``): only the Ray executors lose a stage and can replace it; the others
 raise. ``reset()`` forgets every micro-batch in flight (an interrupted step): their results
 are never returned, and the next ``submit`` starts afresh.
@@ -26,7 +26,7 @@ from sarathi_pp.config import EXECUTORS
 if TYPE_CHECKING:
     from sarathi_pp.checkpoint import BuiltinResolver, Checkpoint
     from sarathi_pp.config import EngineConfig
-    from sarathi_pp.microbatch import MicroBatch, StepResult
+    from sarathi_pp.microbatch import MicroBatch, MicroBatchResult
     from sarathi_pp.placement import Placement
     from sarathi_pp.stage_memory import StageMemory
 
@@ -50,7 +50,7 @@ class Executor(Protocol):
     def load_model(self) -> list[StageMemory]: ...
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
     def submit(self, microbatch: MicroBatch) -> None: ...
-    def wait_oldest(self) -> tuple[MicroBatch, StepResult]: ...
+    def wait_oldest(self) -> tuple[MicroBatch, MicroBatchResult]: ...
     def reset(self) -> None: ...
 
     def restart(self) -> None:

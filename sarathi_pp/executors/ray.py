@@ -50,7 +50,7 @@ from sarathi_pp.fault_injection import after_restart
 from sarathi_pp.interrupts import deferred_interrupts
 from sarathi_pp.microbatch import (
     MicroBatch,
-    StepResult,
+    MicroBatchResult,
     fill_ring,
     retry_one_at_a_time,
     without_failed,
@@ -311,7 +311,7 @@ class RayExecutor:
         with deferred_interrupts():
             return [a.run_packed.remote(packed) for a in self.actors]
 
-    def wait_oldest(self) -> tuple[MicroBatch, StepResult]:
+    def wait_oldest(self) -> tuple[MicroBatch, MicroBatchResult]:
         microbatch, refs = self._inflight.popleft()
         result = self._collect(microbatch, refs)
         if result.failure is not None:
@@ -319,7 +319,7 @@ class RayExecutor:
         self._keep_tokens(microbatch.microbatch_id, result)
         return microbatch, result
 
-    def _keep_tokens(self, microbatch_id: int, result: StepResult) -> None:
+    def _keep_tokens(self, microbatch_id: int, result: MicroBatchResult) -> None:
         """Remember a collected micro-batch's tokens (the last few only)."""
         self._collected[microbatch_id] = result.sampled
         while len(self._collected) > 2 * len(self.actors) + 2:
@@ -328,18 +328,18 @@ class RayExecutor:
     def _forget_ring(self) -> None:
         self._collected.clear()
 
-    def _collect(self, microbatch: MicroBatch, refs: list) -> StepResult:
+    def _collect(self, microbatch: MicroBatch, refs: list) -> MicroBatchResult:
         """The last stage's result with every stage's timing; ``failure`` when a stage
         raised on the micro-batch."""
         if not refs:
-            return StepResult()
-        outputs = self._wait_stages(microbatch, refs)  # [(StepResult | None, StageEvent)]
+            return MicroBatchResult()
+        outputs = self._wait_stages(microbatch, refs)  # [(MicroBatchResult | None, StageEvent)]
         failures = [r.failure for r, _ in outputs if r is not None and r.failure]
-        result = StepResult(failure="; ".join(failures)) if failures else outputs[-1][0]
+        result = MicroBatchResult(failure="; ".join(failures)) if failures else outputs[-1][0]
         result.events = [e.shifted(off) for (_, e), off in zip(outputs, self.clock_offsets)]
         return result
 
-    def _isolate(self, microbatch: MicroBatch, failed: StepResult) -> StepResult:
+    def _isolate(self, microbatch: MicroBatch, failed: MicroBatchResult) -> MicroBatchResult:
         """A stage raised on ``microbatch``: retry its sequences one at a time through the
         pipeline, so only a request that fails alone fails (``errors``). The micro-batches
         behind it may have read K/V it left unwritten: they are drained, their results
@@ -440,8 +440,8 @@ class RayExecutor:
 
     def _get_one(
         self, stage_idx: int, ref: Any, microbatch: MicroBatch
-    ) -> tuple[StepResult | None, StageEvent]:
-        """A stage's ``(StepResult | None, StageEvent)`` for ``microbatch``."""
+    ) -> tuple[MicroBatchResult | None, StageEvent]:
+        """A stage's ``(MicroBatchResult | None, StageEvent)`` for ``microbatch``."""
         from ray.exceptions import RayActorError, RayTaskError
 
         try:

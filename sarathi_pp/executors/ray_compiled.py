@@ -4,7 +4,7 @@ through one compiled graph instead of a task per stage per micro-batch.
 The graph is ``input -> stage 0 -> stage 1 -> ... -> last stage -> driver``: the driver
 writes each micro-batch once into a channel that every stage reads, each stage's
 ``PipelineStage.run_compiled`` receives the previous stage's hidden states as its argument
-and returns its own, and only the last stage's ``StepResult`` comes back. Ray sets up the
+and returns its own, and only the last stage's ``MicroBatchResult`` comes back. Ray sets up the
 channels when the graph is compiled and reuses them for every micro-batch: no task
 submission, no object store, no scheduler on the per-micro-batch path (Ray documents tens
 of microseconds per call against about a millisecond for an actor call).
@@ -37,7 +37,7 @@ from typing import Any
 from sarathi_pp.executors.base import StageError, StageLost
 from sarathi_pp.executors.ray import RayExecutor
 from sarathi_pp.interrupts import deferred_interrupts
-from sarathi_pp.microbatch import MicroBatch, StepResult
+from sarathi_pp.microbatch import MicroBatch, MicroBatchResult
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +100,11 @@ class RayCompiledExecutor(RayExecutor):
             return StageLost(dead, f"{what}: the stage actor died")
         return StageError(0, f"{what}: the stages' compiled graph failed: {error!r}")
 
-    def _collect(self, microbatch: MicroBatch, ref: Any) -> StepResult:
+    def _collect(self, microbatch: MicroBatch, ref: Any) -> MicroBatchResult:
         """The last stage's result with every stage's timing; ``failure`` when a stage
         raised on the micro-batch."""
         if ref is None:
-            return StepResult()
+            return MicroBatchResult()
         from ray.exceptions import (
             RayActorError,
             RayChannelError,

@@ -43,8 +43,8 @@ from sarathi_pp.config import EngineConfig
 from sarathi_pp.executors.base import StageError
 from sarathi_pp.microbatch import (
     MicroBatch,
+    MicroBatchResult,
     StageEvent,
-    StepResult,
     retry_one_at_a_time,
     without_failed,
 )
@@ -146,7 +146,9 @@ class TorchrunExecutor:
         self.stage = _make_stage(config, checkpoint, self.placement, rank=0)
         self.config, self.checkpoint = config, checkpoint
         # (micro-batch, stage 0's result, stage 0's timing); no timing: nothing was run
-        self._inflight: deque[tuple[MicroBatch, StepResult | None, StageEvent | None]] = deque()
+        self._inflight: deque[tuple[MicroBatch, MicroBatchResult | None, StageEvent | None]] = (
+            deque()
+        )
         self._closed = False
 
     def load_model(self) -> list[StageMemory]:
@@ -170,19 +172,19 @@ class TorchrunExecutor:
 
     def submit(self, microbatch: MicroBatch) -> None:
         if not microbatch.chunks:  # a retry left nothing of it (``_isolate``)
-            self._inflight.append((microbatch, StepResult(), None))
+            self._inflight.append((microbatch, MicroBatchResult(), None))
             return
         for rank in range(1, self.num_stages):
             self.control.microbatches.send(microbatch, rank)
         self._inflight.append((microbatch, *self.stage.run(microbatch)))
 
-    def wait_oldest(self) -> tuple[MicroBatch, StepResult]:
+    def wait_oldest(self) -> tuple[MicroBatch, MicroBatchResult]:
         microbatch, result = self._wait()
         if result.failure is not None:
             result = self._isolate(microbatch, result)
         return microbatch, result
 
-    def _isolate(self, microbatch: MicroBatch, failed: StepResult) -> StepResult:
+    def _isolate(self, microbatch: MicroBatch, failed: MicroBatchResult) -> MicroBatchResult:
         """A stage raised on ``microbatch``: retry its sequences one at a time through the
         pipeline, so only a request that fails alone fails (``errors``). The micro-batches
         behind it may have read K/V it left unwritten: their results are drained and
@@ -198,12 +200,12 @@ class TorchrunExecutor:
             self.submit(without_failed(mb, result))
         return result
 
-    def _run_alone(self, microbatch: MicroBatch) -> StepResult:
+    def _run_alone(self, microbatch: MicroBatch) -> MicroBatchResult:
         """``microbatch`` through the pipeline, nothing else in flight: its result."""
         self.submit(microbatch)
         return self._wait()[1]
 
-    def _wait(self) -> tuple[MicroBatch, StepResult]:
+    def _wait(self) -> tuple[MicroBatch, MicroBatchResult]:
         """The oldest micro-batch's result as the stages left it: ``failure`` when one of
         them raised on it (rank 0's own, a middle rank's or the last rank's)."""
         microbatch, local, event = self._inflight.popleft()
@@ -226,7 +228,7 @@ class TorchrunExecutor:
         if got_id != mb_id:
             raise StageError(stage_idx, f"sent micro-batch {got_id}, expected {mb_id}")
         if not (isinstance(payload, tuple) and tuple(map(type, payload)) == _OK_PAYLOAD):
-            raise _unexpected(last, payload, "(StepResult, StageEvent)")
+            raise _unexpected(last, payload, "(MicroBatchResult, StageEvent)")
         result, last_event = payload
         # Middle ranks sent their timing of this micro-batch before the last could finish it.
         middle = [self._stage_timing(r) for r in range(1, last)]
@@ -235,7 +237,7 @@ class TorchrunExecutor:
             f for f in (local and local.failure, *(f for _, f in middle), result.failure) if f
         ]
         if failures:
-            result = StepResult(failure="; ".join(failures))
+            result = MicroBatchResult(failure="; ".join(failures))
         result.events = [event, *(e for e, _ in middle), last_event]
         return microbatch, result
 
@@ -289,7 +291,7 @@ class TorchrunExecutor:
 
 
 _RESULT_KINDS = ("ok", "error")
-_OK_PAYLOAD = (StepResult, StageEvent)
+_OK_PAYLOAD = (MicroBatchResult, StageEvent)
 
 
 def _unexpected(rank: int, got: object, expected: str) -> StageError:
@@ -338,7 +340,9 @@ class RankControl:
             raise _unexpected(0, microbatch, "a MicroBatch or None")
         return microbatch
 
-    def report(self, microbatch: MicroBatch, result: StepResult | None, event: StageEvent) -> None:
+    def report(
+        self, microbatch: MicroBatch, result: MicroBatchResult | None, event: StageEvent
+    ) -> None:
         if self.is_last:
             payload = (result, event)
             self.control.results.send(("ok", self.rank, microbatch.microbatch_id, payload), 0)

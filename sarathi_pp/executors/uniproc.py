@@ -13,7 +13,7 @@ from collections import deque
 
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import EngineConfig
-from sarathi_pp.microbatch import MicroBatch, StageEvent, StepResult, fill_ring
+from sarathi_pp.microbatch import MicroBatch, MicroBatchResult, StageEvent, fill_ring
 from sarathi_pp.placement import resolve_placement
 from sarathi_pp.planner.memory import with_activations
 from sarathi_pp.stage_memory import StageMemory
@@ -33,7 +33,7 @@ class UniprocExecutor:
         self.runner = ModelRunner(checkpoint.spec, checkpoint.path, stage, checkpoint.max_model_len)
         self.config, self.checkpoint = config, checkpoint
         self.faults = FaultInjector(config.parallel.inject_fault, 0)
-        self._done: deque[tuple[MicroBatch, StepResult]] = deque()
+        self._done: deque[tuple[MicroBatch, MicroBatchResult]] = deque()
         self._free_since = time.monotonic()
         m = config.parallel.microbatches_in_flight
         if m > 1:
@@ -70,7 +70,7 @@ class UniprocExecutor:
         self._free_since = end
         self._done.append((microbatch, result))
 
-    def wait_oldest(self) -> tuple[MicroBatch, StepResult]:
+    def wait_oldest(self) -> tuple[MicroBatch, MicroBatchResult]:
         return self._done.popleft()
 
     def reset(self) -> None:
@@ -89,7 +89,7 @@ class UniprocExecutor:
         self._done.clear()
         self.runner.release()
 
-    def _run(self, microbatch: MicroBatch) -> StepResult:
+    def _run(self, microbatch: MicroBatch) -> MicroBatchResult:
         try:
             self.faults.before(microbatch)
             return self.runner.execute(microbatch)
@@ -97,8 +97,8 @@ class UniprocExecutor:
             if len(microbatch.chunks) == 1:
                 seq_id = microbatch.chunks[0].seq_id
                 logger.exception("request of sequence %d failed", seq_id)
-                return StepResult(errors={seq_id: f"{type(e).__name__}: {e}"})
-        result = StepResult()
+                return MicroBatchResult(errors={seq_id: f"{type(e).__name__}: {e}"})
+        result = MicroBatchResult()
         for chunk in microbatch.chunks:  # one at a time, to find the culprit(s)
             result.add(
                 self._run(MicroBatch(microbatch.microbatch_id, (chunk,), microbatch.released))

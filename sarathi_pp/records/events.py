@@ -226,7 +226,7 @@ class EventLog:
         wait: float | None = None,
         full: bool | None = None,
     ) -> None:
-        """``microbatch``'s tokens are here at ``now`` (a ``StepResult`` with every stage's
+        """``microbatch``'s tokens are here at ``now`` (a ``MicroBatchResult`` with every stage's
         event); ``wait``: the driver began waiting for them; ``full``: the in-flight limit
         held back a micro-batch the scheduler had work for."""
         events = result.events

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sarathi_pp.microbatch import MicroBatch, StepResult
+    from sarathi_pp.microbatch import MicroBatch, MicroBatchResult
     from sarathi_pp.outputs import RequestOutput
     from sarathi_pp.scheduler import Scheduler
 
@@ -38,7 +38,7 @@ class Observer:
     def completed(
         self,
         microbatch: MicroBatch,
-        result: StepResult,
+        result: MicroBatchResult,
         now: float,
         wait: float | None = None,
         full: bool | None = None,
@@ -74,7 +74,7 @@ class Observers(Observer):
     def completed(
         self,
         microbatch: MicroBatch,
-        result: StepResult,
+        result: MicroBatchResult,
         now: float,
         wait: float | None = None,
         full: bool | None = None,

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from sarathi_pp.config import EngineConfig
-from sarathi_pp.microbatch import MicroBatch, StepResult
+from sarathi_pp.microbatch import MicroBatch, MicroBatchResult
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.records.events import COMPACT_EVENTS_AFTER, EventLog
 from sarathi_pp.records.observer import Observer
@@ -111,7 +111,7 @@ class RunRecorder(Observer):
     def completed(
         self,
         microbatch: MicroBatch,
-        result: StepResult,
+        result: MicroBatchResult,
         now: float,
         wait: float | None = None,
         full: bool | None = None,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import EngineConfig
-from sarathi_pp.microbatch import MicroBatch, StageEvent, StepResult
+from sarathi_pp.microbatch import MicroBatch, MicroBatchResult, StageEvent
 from sarathi_pp.placement import Placement, Resources, resolve_placement
 from sarathi_pp.planner.memory import spec_stage_memory, with_activations
 from sarathi_pp.sim.clock import SimClock
@@ -128,12 +128,12 @@ class SimExecutor:
         """When the driver will have the oldest micro-batch's tokens (None: none in flight)."""
         return self._inflight[0][1] if self._inflight else None
 
-    def wait_oldest(self) -> tuple[MicroBatch, StepResult]:
+    def wait_oldest(self) -> tuple[MicroBatch, MicroBatchResult]:
         mb, done, events = self._inflight.popleft()
         self._ring_ready.pop(mb.microbatch_id, None)
         self.clock.advance_to(done)
         sampled = dict.fromkeys(mb.sampled_seq_ids, self._token)
-        return mb, StepResult(sampled=sampled, events=events)
+        return mb, MicroBatchResult(sampled=sampled, events=events)
 
     def reset(self) -> None:
         self._inflight.clear()

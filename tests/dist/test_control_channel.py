@@ -27,7 +27,7 @@ from sarathi_pp.comm.dist_setup import (
 )
 from sarathi_pp.comm.objects import MAX_MESSAGE_BYTES, ObjectChannel
 from sarathi_pp.comm.p2p import StageCommError
-from sarathi_pp.microbatch import MicroBatch, ScheduledChunk, StageEvent, StepResult
+from sarathi_pp.microbatch import MicroBatch, MicroBatchResult, ScheduledChunk, StageEvent
 from sarathi_pp.sampling_params import SamplingParams
 from sarathi_pp.stage_memory import StageMemory
 
@@ -43,7 +43,7 @@ MESSAGES = [
     ),
     StageMemory(1, 10, 20, 30),
     (128, 16),
-    ("ok", 1, 4, (StepResult({1: 42, 2: 7}, {3: "non-finite logits"}), EVENT)),
+    ("ok", 1, 4, (MicroBatchResult({1: 42, 2: 7}, {3: "non-finite logits"}), EVENT)),
     ("error", 1, 5, "RuntimeError: boom"),
     None,
 ]

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from sarathi_pp.comm.codec import MAX_DEPTH, WIRE_VERSION, CodecError, decode, encode, record_fields
 from sarathi_pp.microbatch import (
     MicroBatch,
+    MicroBatchResult,
     PromptChunkLogprobs,
     ScheduledChunk,
     StageEvent,
-    StepResult,
     TokenLogprobs,
 )
 from sarathi_pp.sampling_params import SamplingParams
@@ -112,8 +112,8 @@ prompt_chunk_logprobs = st.builds(
     first=st.integers(1, 2**31 - 1),
     tokens=st.lists(token_logprobs, max_size=6).map(tuple),
 )
-step_results = st.builds(
-    StepResult,
+microbatch_results = st.builds(
+    MicroBatchResult,
     prompt_logprobs=st.dictionaries(IDS, prompt_chunk_logprobs, max_size=3),
     sampled=st.dictionaries(IDS, IDS, max_size=8),
     logprobs=st.dictionaries(IDS, token_logprobs, max_size=4),
@@ -129,7 +129,7 @@ messages = st.one_of(
     stage_events,
     stage_memories,
     st.tuples(IDS, IDS),  # (num_blocks, block_size)
-    st.tuples(st.just("ok"), IDS, IDS, st.tuples(step_results, stage_events)),
+    st.tuples(st.just("ok"), IDS, IDS, st.tuples(microbatch_results, stage_events)),
     st.tuples(st.just("error"), IDS, IDS, TEXT),
 )
 
@@ -140,7 +140,9 @@ def test_every_message_round_trips(message):
     assert decode(encode(message)) == message
 
 
-@pytest.mark.parametrize("strategy", [microbatches, step_results, stage_events, stage_memories])
+@pytest.mark.parametrize(
+    "strategy", [microbatches, microbatch_results, stage_events, stage_memories]
+)
 @settings(max_examples=50, deadline=None)
 @given(data=st.data())
 def test_each_type_round_trips_with_its_types(strategy, data):
@@ -172,7 +174,7 @@ def test_floats_are_exact_and_nan_travels():
         StageEvent,
         TokenLogprobs,
         PromptChunkLogprobs,
-        StepResult,
+        MicroBatchResult,
         StageMemory,
     ],
 )
@@ -267,22 +269,32 @@ def _params(**fields) -> list:
         ),
         (_packed(["stage_memory", 0, 1, 2, 3]), "expected the 5 fields of a StageMemory, got 4"),
         (
-            _packed(["step_result", [[1]], [], [], None, [], []]),
-            "step_result.sampled[0]: expected a [key, value] pair",
+            _packed(["microbatch_result", [[1]], [], [], None, [], []]),
+            "microbatch_result.sampled[0]: expected a [key, value] pair",
         ),
         (
-            _packed(["step_result", [], [], [], 5, [], []]),
-            "step_result.failure: expected str, got int",
+            _packed(["microbatch_result", [], [], [], 5, [], []]),
+            "microbatch_result.failure: expected str, got int",
         ),
         (
             _packed(
-                ["step_result", [], [], [], None, [[2, ["token_logprobs", -1.0, 1, [], []]]], []]
+                [
+                    "microbatch_result",
+                    [],
+                    [],
+                    [],
+                    None,
+                    [[2, ["token_logprobs", -1.0, 1, [], []]]],
+                    [],
+                ]
             ),
-            "step_result.logprobs[2]: expected the 4 fields of a TokenLogprobs",
+            "microbatch_result.logprobs[2]: expected the 4 fields of a TokenLogprobs",
         ),
         (
-            _packed(["step_result", [], [], [], None, [], [[2, [1, [[-1.0, 1, [], [], 0]]]]]]),
-            "step_result.prompt_logprobs[2].tokens[0]: expected the 4 fields of a TokenLogprobs",
+            _packed(
+                ["microbatch_result", [], [], [], None, [], [[2, [1, [[-1.0, 1, [], [], 0]]]]]]
+            ),
+            "microbatch_result.prompt_logprobs[2].tokens[0]: expected the 4 fields of a TokenLogprobs",
         ),
     ],
 )
@@ -313,11 +325,14 @@ def test_tuples_nest_only_so_deep():
         (object(), "values of type object cannot travel"),
         ((1, [2]), "[1]: values of type list cannot travel"),
         ({"a": 1}, "values of type dict cannot travel"),
-        (StepResult(sampled={1: 2**70}), "cannot encode"),
-        (StepResult(sampled={1: True}), "step_result.sampled[1]: expected int, got bool"),
+        (MicroBatchResult(sampled={1: 2**70}), "cannot encode"),
         (
-            StepResult(logprobs={3: TokenLogprobs(-0.5, 1, (4,), (1,))}),
-            "step_result.logprobs[3].top_logprobs: expected float items, got int",
+            MicroBatchResult(sampled={1: True}),
+            "microbatch_result.sampled[1]: expected int, got bool",
+        ),
+        (
+            MicroBatchResult(logprobs={3: TokenLogprobs(-0.5, 1, (4,), (1,))}),
+            "microbatch_result.logprobs[3].top_logprobs: expected float items, got int",
         ),
         (StageMemory(0, 1.5, 2, 3), "stage_memory.param_bytes: expected int, got float"),
         ("\udc80", "cannot encode"),  # a lone surrogate is no UTF-8

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from sarathi_pp.microbatch import MicroBatch, PromptChunkLogprobs, StepResult, TokenLogprobs
+from sarathi_pp.microbatch import MicroBatch, MicroBatchResult, PromptChunkLogprobs, TokenLogprobs
 from sarathi_pp.model_spec import ModelSpec
 from sarathi_pp.placement import Placement
 from sarathi_pp.stage_memory import PROMPT_LOGITS_ROWS, StageMemory
@@ -152,7 +152,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, microbatch: MicroBatch, hidden: torch.Tensor | None = None):
         """Run this stage on ``microbatch``. Returns hidden states ``[num_tokens, hidden]`` for the
-        next stage, or on the last stage its ``StepResult`` (the sampled tokens)."""
+        next stage, or on the last stage its ``MicroBatchResult`` (the sampled tokens)."""
         assert self.model is not None and self.kv is not None, "load_model/init_kv_cache first"
         token_ids, meta = build_metadata(microbatch, self.block_size, self.device, self.backend)
         if self.stage.is_first:
@@ -170,12 +170,12 @@ class ModelRunner:
             return out
         return self._sample(microbatch, out)
 
-    def _sample(self, microbatch: MicroBatch, hidden: torch.Tensor) -> StepResult:
+    def _sample(self, microbatch: MicroBatch, hidden: torch.Tensor) -> MicroBatchResult:
         """The last stage's result: each sampling sequence's token (and its log-probabilities
         if asked for), or its failure (non-finite logits: that request fails alone)."""
         assert self.model is not None
         rows = sample_rows(microbatch)
-        result = StepResult()
+        result = MicroBatchResult()
         self.penalties.release(microbatch)
         self._prompt_logprobs(microbatch, hidden, result)
         if not rows:
@@ -213,7 +213,7 @@ class ModelRunner:
         return result
 
     def _prompt_logprobs(
-        self, microbatch: MicroBatch, hidden: torch.Tensor, result: StepResult
+        self, microbatch: MicroBatch, hidden: torch.Tensor, result: MicroBatchResult
     ) -> None:
         """The prompt log-probabilities of every chunk that asks (``prompt_targets``), from
         its rows' logits, ``PROMPT_LOGITS_ROWS`` rows at a time (a chunk's logits at once
@@ -240,7 +240,7 @@ class ModelRunner:
                 result.prompt_logprobs[c.seq_id] = PromptChunkLogprobs(c.start + 1, tuple(parts))
 
     def _penalized(
-        self, logits: torch.Tensor, chunks: list, result: StepResult
+        self, logits: torch.Tensor, chunks: list, result: MicroBatchResult
     ) -> tuple[torch.Tensor, list[int], dict[int, list[int]]]:
         """The logits to sample from (penalized where asked; ``stages/worker/penalties.py``), the
         rows whose tokens the stage keeps (``SamplingParams.keeps_tokens``) and, for those

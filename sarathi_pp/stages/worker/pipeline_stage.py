@@ -30,7 +30,7 @@ from sarathi_pp.comm.dist_setup import (
 from sarathi_pp.comm.p2p import StageTransport
 from sarathi_pp.comm.ring import TokenRing
 from sarathi_pp.config import ParallelConfig
-from sarathi_pp.microbatch import MicroBatch, StageEvent, StepResult, fill_ring
+from sarathi_pp.microbatch import MicroBatch, MicroBatchResult, StageEvent, fill_ring
 from sarathi_pp.stage_memory import StageMemory
 from sarathi_pp.stages.worker.device import set_num_threads
 from sarathi_pp.stages.worker.fault_injector import FaultInjector
@@ -53,7 +53,9 @@ class StageControl(Protocol):
     def next_microbatch(self) -> MicroBatch | None:
         """The next micro-batch to run; ``None``: the pipeline is shutting down."""
 
-    def report(self, microbatch: MicroBatch, result: StepResult | None, event: StageEvent) -> None:
+    def report(
+        self, microbatch: MicroBatch, result: MicroBatchResult | None, event: StageEvent
+    ) -> None:
         """``run``'s result and timing of ``microbatch``, to the driver."""
 
     def report_error(self, microbatch: MicroBatch, error: BaseException) -> None:
@@ -138,7 +140,7 @@ class PipelineStage:
         self._free_since = time.monotonic()
 
     # --- one micro-batch -----------------------------------------------------------------------
-    def run(self, microbatch: MicroBatch) -> tuple[StepResult | None, StageEvent]:
+    def run(self, microbatch: MicroBatch) -> tuple[MicroBatchResult | None, StageEvent]:
         """Run one micro-batch; returns the sampled tokens (last stage, else ``None``) and
         this stage's timing of it (a few clock reads: no per-token work).
 
@@ -150,7 +152,7 @@ class PipelineStage:
 
         A micro-batch that raises here does not stop the pipeline: the stage sends zeros of
         the right shape on (the stages after it stay in step; what they compute for it is
-        dropped) and returns ``StepResult(failure=...)``; the executor then retries its
+        dropped) and returns ``MicroBatchResult(failure=...)``; the executor then retries its
         sequences one at a time (see ``RayExecutor``)."""
         assert self.transport is not None, "init_group/attach_transport first"
         s = self.stage
@@ -170,7 +172,7 @@ class PipelineStage:
         compute_start = time.monotonic()
         out, failure = self._execute(microbatch, hidden)
         compute_end = time.monotonic()
-        result = StepResult(failure=failure) if failure is not None else None
+        result = MicroBatchResult(failure=failure) if failure is not None else None
         if self.ring is not None and s.is_first:  # before the hidden states go on
             self.ring.expect(microbatch.microbatch_id, microbatch.sampled_seq_ids)
         if s.is_last:
@@ -229,19 +231,19 @@ class PipelineStage:
 
     def run_compiled(
         self, microbatch: MicroBatch, incoming: tuple | None = None
-    ) -> tuple | StepResult:
+    ) -> tuple | MicroBatchResult:
         """``run`` for a Ray Compiled Graph (``executors/ray_compiled.py``): the hidden
         states arrive as ``incoming`` and leave as the return value, over the graph's
         channels (shared memory on one node, NCCL between GPUs), with the timings of the
         stages before. ``incoming`` = ``(hidden, events, failure)`` from the previous stage
-        (``None`` on stage 0); the last stage returns the ``StepResult`` with every stage's
+        (``None`` on stage 0); the last stage returns the ``MicroBatchResult`` with every stage's
         event. A stage that raises passes the failure on and the stages after it skip the
         micro-batch (nothing waits on a channel for it); the executor retries its sequences
         one at a time, as on the other path."""
         s = self.stage
         wait_start, arrived = self._free_since, time.monotonic()
         hidden, events, failure = incoming if incoming is not None else (None, [], None)
-        out: Any = None  # hidden states, or on the last stage its StepResult
+        out: Any = None  # hidden states, or on the last stage its MicroBatchResult
         if failure is None:
             out, failure = self._execute(microbatch, hidden)
         end = self._free_since = time.monotonic()
@@ -254,7 +256,7 @@ class PipelineStage:
         events = [*events, event]
         if not s.is_last:
             return out, events, failure
-        result = StepResult(failure=failure) if failure is not None else out
+        result = MicroBatchResult(failure=failure) if failure is not None else out
         result.events = events
         return result
 
