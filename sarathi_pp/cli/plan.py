@@ -21,7 +21,7 @@ from sarathi_pp.checkpoint import load_checkpoint
 from sarathi_pp.cli.common import add_engine_args, config_from_args, user_errors
 from sarathi_pp.cli.plan_simulate import add_simulate_args, run_simulated
 from sarathi_pp.executors import builtin_resolver
-from sarathi_pp.placement import resolve_placement
+from sarathi_pp.placement import resolve_placement, resolve_schedule_ahead
 from sarathi_pp.planner.chunk import pd_ratio_of
 from sarathi_pp.planner.recommend import WorkloadInfo, make_plan
 from sarathi_pp.planner.render import batch_lines, chunk_lines, plan_record, snippet
@@ -79,9 +79,13 @@ def run(args: argparse.Namespace) -> int:
                 f"output folder {str(Path(args.output).parent)!r} does not exist"
             )
         checkpoint = load_checkpoint(config.model, builtin_resolver())
-        placement = resolve_placement(config, checkpoint.spec, probe_resources())
+        resources = probe_resources()
+        placement = resolve_placement(config, checkpoint.spec, resources)
+        ahead = resolve_schedule_ahead(config, placement, resources)
         workload = workload_info(args, checkpoint.spec.vocab_size, checkpoint.max_model_len)
-        plan = make_plan(config, checkpoint, placement, workload, args.profile, args.max_overhead)
+        plan = make_plan(
+            config, checkpoint, placement, workload, args.profile, args.max_overhead, ahead.on
+        )
     text = snippet(plan)
     if args.json:
         print(json.dumps(plan_record(plan), indent=2))

@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
         placement = resolve_placement(config, spec, probe_resources())
         num_stages = config.parallel.pipeline_parallel_size
         stage_idx = args.stage if args.stage is not None else binding_stage(spec, num_stages)
-        setup = stage_setup(placement, stage_idx)
+        setup = stage_setup(placement, stage_idx, config.cache.prefault)
         points, skipped = profile_grid(grid, max_model_len)
     header = _header_lines(model_dir, setup, points, skipped, grid, max_model_len)
     for line in header:

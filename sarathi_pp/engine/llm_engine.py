@@ -118,11 +118,12 @@ class LLMEngine(PipelineRecovery):
         # Scheduling ahead: one micro-batch more in flight, its decodes fed by the ring.
         # The most in flight; while only decodes run, the scheduler's limit may be lower
         # (``_inflight_limit``).
-        self.schedule_ahead = self.placement.schedule_ahead
+        ahead = self.executor.schedule_ahead
+        self.schedule_ahead = ahead.on
         self.max_inflight = config.parallel.microbatches_in_flight + int(self.schedule_ahead)
         if config.parallel.pipeline_parallel_size > 1:
             state = "on" if self.schedule_ahead else "off"
-            logger.info("scheduling ahead %s (%s)", state, self.placement.schedule_ahead_source)
+            logger.info("scheduling ahead %s (%s)", state, ahead.source)
         self.num_stages = config.parallel.pipeline_parallel_size
         self.scheduler = self._create_scheduler(config.scheduler)
 
@@ -142,7 +143,7 @@ class LLMEngine(PipelineRecovery):
         p = self.placement
         return self.config.replace(
             max_model_len=self.max_model_len, block_size=p.block_size, dtype=p.dtype,
-            device=p.device, schedule_ahead=p.schedule_ahead,
+            device=p.device, schedule_ahead=self.schedule_ahead,
         )  # fmt: skip
 
     def set_scheduler(self, **overrides: Any) -> None:

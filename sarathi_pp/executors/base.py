@@ -7,7 +7,8 @@ reaches them by name through ``create_executor``, whose lazy imports keep the en
 free of torch, torch.distributed and Ray (the simulator drives the same loop).
 
 Contract (``Executor``): ``placement`` is the resolved placement of the stages (the
-placement rule on the resources the executor sees); ``load_model()`` -> per-stage memory
+placement rule on the resources the executor sees) and ``schedule_ahead`` whether the driver
+schedules ahead on it (``placement.resolve_schedule_ahead``); ``load_model()`` -> per-stage memory
 figures; ``init_kv_cache``; ``submit(microbatch)`` issues a micro-batch (it may run
 asynchronously); ``wait_oldest()`` returns the oldest outstanding micro-batch with its
 ``MicroBatchResult``; micro-batches complete in issue order. ``restart()`` replaces lost
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from sarathi_pp.checkpoint import BuiltinResolver, Checkpoint
     from sarathi_pp.config import EngineConfig
     from sarathi_pp.microbatch import MicroBatch, MicroBatchResult
-    from sarathi_pp.placement import Placement
+    from sarathi_pp.placement import Placement, ScheduleAhead
     from sarathi_pp.stage_memory import StageMemory
 
 
@@ -46,6 +47,7 @@ class StageLost(StageError):
 
 class Executor(Protocol):
     placement: Placement
+    schedule_ahead: ScheduleAhead
 
     def load_model(self) -> list[StageMemory]: ...
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None: ...

@@ -61,6 +61,7 @@ from sarathi_pp.placement import (
     format_partition,
     partition_layers,
     resolve_placement,
+    resolve_schedule_ahead,
 )
 from sarathi_pp.planner.memory import with_activations
 from sarathi_pp.stage_memory import StageMemory
@@ -188,6 +189,7 @@ class RayExecutor:
                 ray, config.model.device, self.num_stages, self.timeout_s
             )
             self.placement = resolve_placement(config, checkpoint.spec, resources)
+            self.schedule_ahead = resolve_schedule_ahead(config, self.placement, resources)
             ranges = list(self.placement.layer_ranges)
             logger.info("stages:\n%s", format_partition(checkpoint.spec, ranges))
             self._create_actors(config, checkpoint, self.placement)
@@ -218,6 +220,10 @@ class RayExecutor:
                 f"{self.setup_timeout_s:g} s; free in the cluster: {ray.available_resources()}"
             )
         actor_cls = ray.remote(PipelineStage)
+        ahead, prefault = self.schedule_ahead.on, config.cache.prefault
+        stage_specs = [
+            StageSpec.of(placement, i, token_ring=ahead, prefault=prefault) for i in range(n)
+        ]
         for i in range(n):
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
             self.actors.append(
@@ -226,7 +232,7 @@ class RayExecutor:
                     num_gpus=1 if device == "cuda" else 0,
                     scheduling_strategy=strategy,
                     name=None,
-                ).remote(StageSpec.of(placement, i), checkpoint, config.parallel)
+                ).remote(stage_specs[i], checkpoint, config.parallel)
             )
         self._connect_stages()
         self.clock_offsets = [self._clock_offset(a) for a in self.actors]
@@ -289,7 +295,10 @@ class RayExecutor:
     def load_model(self) -> list[StageMemory]:
         memory = self._get([a.load_model.remote() for a in self.actors], "loading weights")
         c = self._checkpoint
-        return with_activations(memory, self._config, c.spec, self.placement, c.max_model_len)
+        return with_activations(
+            memory, self._config, c.spec, self.placement, c.max_model_len,
+            schedule_ahead=self.schedule_ahead.on,
+        )  # fmt: skip
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._get([a.init_kv_cache.remote(num_blocks, block_size) for a in self.actors], "KV cache")

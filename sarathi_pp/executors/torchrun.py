@@ -48,7 +48,7 @@ from sarathi_pp.microbatch import (
     retry_one_at_a_time,
     without_failed,
 )
-from sarathi_pp.placement import Placement, Resources, resolve_placement
+from sarathi_pp.placement import Placement, Resources, resolve_placement, resolve_schedule_ahead
 from sarathi_pp.planner.memory import with_activations
 from sarathi_pp.stage_memory import StageMemory
 from sarathi_pp.stages.loader.builtin import resolve_builtin
@@ -122,7 +122,9 @@ def _make_stage(
     device = placement.device
     if device == "cuda":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
-    stage = PipelineStage(StageSpec.of(placement, rank, device), checkpoint, config.parallel)
+    # No token ring on torchrun ranks: the driver never schedules ahead here.
+    spec = StageSpec.of(placement, rank, device, prefault=config.cache.prefault)
+    stage = PipelineStage(spec, checkpoint, config.parallel)
     stage.attach_transport()
     return stage
 
@@ -141,7 +143,9 @@ class TorchrunExecutor:
             )
         check_world_size(config)
         self.num_stages = config.parallel.pipeline_parallel_size
-        self.placement = resolve_placement(config, checkpoint.spec, torchrun_resources())
+        resources = torchrun_resources()
+        self.placement = resolve_placement(config, checkpoint.spec, resources)
+        self.schedule_ahead = resolve_schedule_ahead(config, self.placement, resources)
         self.control = join_pipeline(config, self.placement)
         self.stage = _make_stage(config, checkpoint, self.placement, rank=0)
         self.config, self.checkpoint = config, checkpoint
@@ -162,7 +166,10 @@ class TorchrunExecutor:
                 raise _unexpected(rank, memory, f"stage {rank}'s StageMemory")
             memories.append(memory)
         c = self.checkpoint
-        return with_activations(memories, self.config, c.spec, self.placement, c.max_model_len)
+        return with_activations(
+            memories, self.config, c.spec, self.placement, c.max_model_len,
+            schedule_ahead=self.schedule_ahead.on,
+        )  # fmt: skip
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         for rank in range(1, self.num_stages):

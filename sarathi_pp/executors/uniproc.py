@@ -14,7 +14,7 @@ from collections import deque
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.microbatch import MicroBatch, MicroBatchResult, StageEvent, fill_ring
-from sarathi_pp.placement import resolve_placement
+from sarathi_pp.placement import resolve_placement, resolve_schedule_ahead
 from sarathi_pp.planner.memory import with_activations
 from sarathi_pp.stage_memory import StageMemory
 from sarathi_pp.stages.worker.device import probe_resources, set_num_threads
@@ -26,10 +26,14 @@ logger = logging.getLogger(__name__)
 
 class UniprocExecutor:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
-        self.placement = resolve_placement(config, checkpoint.spec, probe_resources())
+        resources = probe_resources()
+        self.placement = resolve_placement(config, checkpoint.spec, resources)
+        self.schedule_ahead = resolve_schedule_ahead(config, self.placement, resources)
         assert self.placement.num_stages == 1, "uniproc runs one stage"
         set_num_threads(self.placement.num_threads)
-        stage = StageSpec.of(self.placement, 0)
+        stage = StageSpec.of(
+            self.placement, 0, token_ring=self.schedule_ahead.on, prefault=config.cache.prefault
+        )
         self.runner = ModelRunner(checkpoint.spec, checkpoint.path, stage, checkpoint.max_model_len)
         self.config, self.checkpoint = config, checkpoint
         self.faults = FaultInjector(config.parallel.inject_fault, 0)
@@ -48,7 +52,10 @@ class UniprocExecutor:
     def load_model(self) -> list[StageMemory]:
         memory = [self.runner.memory(self.runner.load_model())]
         c = self.checkpoint
-        return with_activations(memory, self.config, c.spec, self.placement, c.max_model_len)
+        return with_activations(
+            memory, self.config, c.spec, self.placement, c.max_model_len,
+            schedule_ahead=self.schedule_ahead.on,
+        )  # fmt: skip
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.runner.init_kv_cache(num_blocks, block_size)

@@ -56,9 +56,6 @@ class Placement:
     memory_source: str  # how M_G was obtained, for reports
     block_size: int  # tokens per KV block
     layer_ranges: tuple[tuple[int, int], ...]  # [layer_start, layer_end) per stage
-    schedule_ahead: bool = False  # parallel.schedule_ahead resolved (the token ring)
-    schedule_ahead_source: str = "parallel.schedule_ahead"  # why, for reports
-    prefault: bool = False  # cache.prefault: map the whole KV cache at start-up
 
     @property
     def num_stages(self) -> int:
@@ -75,38 +72,8 @@ def resolve_placement(config: EngineConfig, spec: ModelSpec, resources: Resource
     threads, threads_source = resolve_threads(config, device, resources)
     memory, memory_source = resolve_memory(config, device, resources)
     block_size = config.cache.block_size or preferred_block_size(device, resources)
-    ahead, ahead_source = resolve_schedule_ahead(config, device, threads, resources)
     return Placement(
-        device, dtype, threads, threads_source, memory, memory_source, block_size, ranges,
-        ahead, ahead_source, config.cache.prefault,
-    )  # fmt: skip
-
-
-def resolve_schedule_ahead(
-    config: EngineConfig, device: str, threads: int | None, resources: Resources
-) -> tuple[bool, str]:
-    """``schedule_ahead: auto``: on for the ``ray`` executor with 2+ stages when the driver
-    has a core of its own (stages on GPUs, or CPU stages whose threads leave a core free).
-    Scheduling ahead moves the driver's work beside the stages' compute: where the stages'
-    threads take every core it competes with them and slows them down (measured on 2
-    cores: docs/control-plane.md, "Scheduling ahead")."""
-    p = config.parallel
-    if p.schedule_ahead != "auto":
-        return bool(p.schedule_ahead), "parallel.schedule_ahead"
-    if p.pipeline_parallel_size == 1:
-        return False, "auto: one stage"
-    if p.executor_name != "ray":
-        return False, f"auto: the {p.executor_name} executor has no token ring"
-    if p.microbatches_in_flight < p.pipeline_parallel_size:
-        return False, "auto: fewer micro-batches in flight than stages"
-    if device != "cpu":
-        return True, f"auto: the stages are on {device} devices, the driver on a CPU core"
-    used = p.pipeline_parallel_size * (threads or 1)
-    if used < resources.num_cpu_cores:
-        return True, f"auto: the stages' threads take {used} of {resources.num_cpu_cores} cores"
-    return False, (
-        f"auto: the stages' threads take every core ({used} of {resources.num_cpu_cores}): "
-        f"the driver's work would compete with them"
+        device, dtype, threads, threads_source, memory, memory_source, block_size, ranges
     )
 
 

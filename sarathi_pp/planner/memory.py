@@ -346,10 +346,11 @@ def with_activations(
     placement: Placement,
     max_model_len: int,
     tp: int = 1,
+    schedule_ahead: bool = False,
 ) -> list[StageMemory]:
     """``stages`` with ``M_A`` set: on CUDA, each stage's ``activation_bytes`` for the
     largest micro-batch the policy can issue (``max_rows``) with the others in flight
-    waiting (``microbatches_in_flight``, one more when scheduling ahead), on one GPU of
+    waiting (``microbatches_in_flight``, one more when ``schedule_ahead``), on one GPU of
     ``tp``. Every executor's ``load_model`` returns these figures, so the real engine, the
     simulator and ``sarathi-pp plan`` plan the same KV cache. On CPU ``M_A`` stays 0: the
     activations come out of the host's memory beside ``cpu_memory_budget``, which sizes the
@@ -358,7 +359,7 @@ def with_activations(
         return stages
     shape = LayerShape.of(spec, tp, placement.dtype)
     rows = max_rows(config.scheduler, max_model_len)
-    in_flight = config.parallel.microbatches_in_flight + int(placement.schedule_ahead)
+    in_flight = config.parallel.microbatches_in_flight + int(schedule_ahead)
     last = placement.num_stages - 1
     sampled = config.scheduler.max_num_seqs
     return [

@@ -172,13 +172,17 @@ def make_plan(
     workload: WorkloadInfo,
     profile: str | None = None,
     max_overhead: float = 0.2,
+    schedule_ahead: bool = False,
 ) -> Plan:
     """The plan for ``workload`` on ``placement``'s stages; ``profile``: a profile CSV whose
-    smallest chunk within ``max_overhead`` replaces ``min_chunk_size`` (and its tile)."""
+    smallest chunk within ``max_overhead`` replaces ``min_chunk_size`` (and its tile);
+    ``schedule_ahead``: the driver keeps one micro-batch more in flight (its activations)."""
     spec, max_model_len = checkpoint.spec, checkpoint.max_model_len
     block_size, num_stages = placement.block_size, placement.num_stages
     stages = spec_stage_memory(spec, num_stages, placement.dtype, placement.memory_bytes)
-    stages = with_activations(stages, config, spec, placement, max_model_len)  # as the engine
+    stages = with_activations(  # as the engine
+        stages, config, spec, placement, max_model_len, schedule_ahead=schedule_ahead
+    )
     bounds = stage_bounds(stages, max_model_len, config.cache.kv_cache_memory)
     max_num_seqs = config.scheduler.max_num_seqs
     blocks = num_kv_blocks(config.cache, stages, block_size, max_model_len, max_num_seqs)

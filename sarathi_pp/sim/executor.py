@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.microbatch import MicroBatch, MicroBatchResult, StageEvent
-from sarathi_pp.placement import Placement, Resources, resolve_placement
+from sarathi_pp.placement import Placement, Resources, resolve_placement, resolve_schedule_ahead
 from sarathi_pp.planner.memory import spec_stage_memory, with_activations
 from sarathi_pp.sim.clock import SimClock
 from sarathi_pp.sim.cost_model import CostModel
@@ -74,6 +74,7 @@ class SimExecutor:
     ) -> None:
         self.config = config
         self.placement = resolve_placement(config, checkpoint.spec, resources)
+        self.schedule_ahead = resolve_schedule_ahead(config, self.placement, resources)
         self.spec, self.tp, self.clock = checkpoint.spec, tp, clock
         self.max_model_len = checkpoint.max_model_len
         self.cost_model = cost_model(self.placement)
@@ -97,7 +98,10 @@ class SimExecutor:
                         max(1, s.kv_bytes_per_token // kv_split), s.memory_bytes)
             for s in stages
         ]  # fmt: skip
-        return with_activations(per_gpu, self.config, self.spec, p, self.max_model_len, self.tp)
+        return with_activations(
+            per_gpu, self.config, self.spec, p, self.max_model_len, self.tp,
+            schedule_ahead=self.schedule_ahead.on,
+        )  # fmt: skip
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size

@@ -169,10 +169,10 @@ def test_not_one_sequence_fits_shows_the_formula():
         max_decode_batch(1000, 900, 10, 20)
 
 
-def _placement(device: str, num_stages: int, memory: int, ahead: bool = False) -> Placement:
+def _placement(device: str, num_stages: int, memory: int) -> Placement:
     per = 32 // num_stages
     ranges = tuple((i * per, (i + 1) * per) for i in range(num_stages))
-    return Placement(device, "float16", None, "", memory, "", 16, ranges, schedule_ahead=ahead)
+    return Placement(device, "float16", None, "", memory, "", 16, ranges)
 
 
 def test_activations_come_off_the_kv_cache_on_cuda():
@@ -205,7 +205,7 @@ def test_activations_per_stage_and_policy():
     config = make_config(chunk_size=512, max_num_seqs=8, num_microbatches_in_flight=2)
     stages = spec_stage_memory(LLAMA2_7B, 2, "float16", 40 * GiB)
     first, last = with_activations(
-        stages, config, LLAMA2_7B, _placement("cuda", 2, 40 * GiB, ahead=True), 4096
+        stages, config, LLAMA2_7B, _placement("cuda", 2, 40 * GiB), 4096, schedule_ahead=True
     )
     assert first.activation_bytes == 512 * (41_216 + 2 * 4096) * 2
     # 8 sampled rows, but a prompt_logprobs chunk scores up to 256 rows at once

@@ -13,7 +13,7 @@ from test_runtime_split import done, idle, issue, run
 
 from sarathi_pp.config import SchedulerConfig, make_config
 from sarathi_pp.microbatch import RING_TOKEN, MicroBatch, ScheduledChunk, fill_ring
-from sarathi_pp.placement import Resources, resolve_placement
+from sarathi_pp.placement import Resources, ScheduleAhead, resolve_placement, resolve_schedule_ahead
 from sarathi_pp.report.runtime_split import LEGACY_CLASS
 from sarathi_pp.sampling_params import SamplingParams
 from sarathi_pp.scheduler import create_scheduler
@@ -152,7 +152,6 @@ def test_the_setting_is_checked_and_resolved():
         make_config(schedule_ahead=True, pipeline_parallel_size=2, executor="torchrun")
     with pytest.raises(ValueError, match="needs num_microbatches_in_flight >= .* got 1"):
         make_config(schedule_ahead=True, pipeline_parallel_size=2, num_microbatches_in_flight=1)
-    spec = SPEC
     gpus = Resources(num_cpu_cores=2, num_cuda_devices=4, cuda_memory_bytes=2**34)
     # (stages, executor, threads per stage, resources) -> auto's choice
     auto = {
@@ -172,14 +171,19 @@ def test_the_setting_is_checked_and_resolved():
             pipeline_parallel_size=pp, executor=executor, num_threads_per_stage=threads,
             cpu_memory_budget=2**30, num_microbatches_in_flight=in_flight,
         )  # fmt: skip
-        placement = resolve_placement(config, spec, resources)
-        assert placement.schedule_ahead is expected, (pp, executor, threads)
-        assert placement.schedule_ahead_source.startswith("auto: ")
+        ahead = _ahead(config, resources)
+        assert ahead.on is expected, (pp, executor, threads)
+        assert ahead.source.startswith("auto: ")
     forced = make_config(schedule_ahead=True, cpu_memory_budget=2**30)
-    placement = resolve_placement(forced, spec, Resources(num_cpu_cores=1))
-    assert placement.schedule_ahead and placement.schedule_ahead_source == "parallel.schedule_ahead"
+    ahead = _ahead(forced, Resources(num_cpu_cores=1))
+    assert ahead.on and ahead.source == "parallel.schedule_ahead"
     off = make_config(pipeline_parallel_size=2, schedule_ahead=False, cpu_memory_budget=2**30)
-    assert not resolve_placement(off, spec, gpus).schedule_ahead
+    assert not _ahead(off, gpus)
+
+
+def _ahead(config, resources: Resources) -> ScheduleAhead:
+    """The executors' decision: the placement first, then scheduling ahead on it."""
+    return resolve_schedule_ahead(config, resolve_placement(config, SPEC, resources), resources)
 
 
 def ring_issue(mb: int, t: float, submit: float, ring: int) -> dict:

@@ -536,7 +536,7 @@ def test_activation_memory_comes_off_the_kv_cache(model_dir: Path):
     executor = cluster.executor
     memory = executor.load_model()
     seqs = executor.config.scheduler.max_num_seqs
-    assert executor.placement.schedule_ahead  # one micro-batch more in flight
+    assert executor.schedule_ahead.on  # one micro-batch more in flight
     assert [m.activation_bytes for m in memory] == [
         activation_bytes(shape, 512, 3, last=False),
         activation_bytes(shape, 512, 3, last=True, sampled=seqs),

@@ -56,13 +56,22 @@ class StageSpec:
     prefault: bool = False  # cache.prefault: map the whole KV cache at start-up
 
     @classmethod
-    def of(cls, placement: Placement, stage_idx: int, device: str | None = None) -> StageSpec:
-        """Stage ``stage_idx`` of ``placement`` (``device``: a specific one, e.g. ``cuda:1``)."""
+    def of(
+        cls,
+        placement: Placement,
+        stage_idx: int,
+        device: str | None = None,
+        *,
+        token_ring: bool = False,
+        prefault: bool = False,
+    ) -> StageSpec:
+        """Stage ``stage_idx`` of ``placement`` (``device``: a specific one, e.g. ``cuda:1``;
+        ``token_ring``: the driver schedules ahead; ``prefault``: ``cache.prefault``)."""
         start, end = placement.layer_ranges[stage_idx]
         return cls(
             stage_idx, placement.num_stages, start, end, placement.dtype,
             device or placement.device, placement.memory_bytes, placement.num_threads,
-            placement.schedule_ahead, placement.prefault,
+            token_ring, prefault,
         )  # fmt: skip
 
     @property

@@ -56,8 +56,9 @@ def binding_stage(spec: ModelSpec, num_stages: int) -> int:
     return max(range(num_stages), key=lambda k: (costs[k], k))
 
 
-def stage_setup(placement: Placement, stage_idx: int) -> StageSetup:
-    """Stage ``stage_idx`` of the pipeline ``placement`` describes, as the executors run it."""
+def stage_setup(placement: Placement, stage_idx: int, prefault: bool = False) -> StageSetup:
+    """Stage ``stage_idx`` of the pipeline ``placement`` describes, as the executors run it
+    (``prefault``: ``cache.prefault``)."""
     num_stages = placement.num_stages
     if not 0 <= stage_idx < num_stages:
         raise ValueError(
@@ -67,7 +68,8 @@ def stage_setup(placement: Placement, stage_idx: int) -> StageSetup:
     threads, source = placement.num_threads, placement.threads_source
     if placement.device == "cpu" and threads is None:  # one stage keeps torch's default
         threads = torch.get_num_threads()
-    return StageSetup(StageSpec.of(placement, stage_idx), placement.block_size, threads, source)
+    spec = StageSpec.of(placement, stage_idx, prefault=prefault)
+    return StageSetup(spec, placement.block_size, threads, source)
 
 
 class StageProfiler:
