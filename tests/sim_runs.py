@@ -58,9 +58,10 @@ TOY_GPU = {
 ComputeS = Callable[[int, MicroBatch], float]
 
 
-def write_model_dir(d: Path) -> Path:
+def write_model_dir(d: Path, spec: dict[str, Any] | None = None) -> Path:
+    """A model folder of only ``config.json`` (``spec``, default ``TINY_SPEC``)."""
     d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(TINY_SPEC))
+    (d / "config.json").write_text(json.dumps(spec or TINY_SPEC))
     return d
 
 

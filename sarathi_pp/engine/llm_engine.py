@@ -95,6 +95,7 @@ class LLMEngine(PipelineRecovery):
             )
         self._requests: dict[str, Sequence] = {}  # engine request id -> its sequence
         self._parents: dict[str, ParentRequest] = {}  # child id -> its parent (n > 1)
+        self._parent_ids: dict[str, ParentRequest] = {}  # parent id -> itself, while open
         eos_ids = self.inputs.eos_token_ids()
         self.outputs = OutputProcessor(self.tokenizer, eos_ids, self.max_model_len)
         self.recorder: RunRecorder | NullRecorder = NullRecorder()
@@ -228,6 +229,7 @@ class LLMEngine(PipelineRecovery):
                     self._add_sequence(child_id, req, child_params)
                     added.append(child_id)
                     self._parents[child_id] = parent
+                self._parent_ids[parent.request_id] = parent
         except BaseException:
             for request_id in added:  # nothing of the call outlives its failure
                 self.abort(request_id)
@@ -252,9 +254,7 @@ class LLMEngine(PipelineRecovery):
         self.add_requests([RequestInput(request_id, params, given, arrival_time=arrival_time)])
 
     def _in_use(self, request_id: str) -> bool:
-        if request_id in self._requests:
-            return True
-        return any(p.request_id == request_id for p in self._parents.values())
+        return request_id in self._requests or request_id in self._parent_ids
 
     def _add_sequence(self, request_id: str, req: ProcessedRequest, params: SamplingParams) -> None:
         self.scheduler.check_room()  # QueueFullError at scheduler.max_waiting
@@ -272,8 +272,8 @@ class LLMEngine(PipelineRecovery):
         """End the request (a parent of ``n > 1``: every completion); its final output
         (``finish_reason="abort"``) comes with the next ``step()``. Its blocks are freed at
         once, or when its micro-batch in flight is done."""
-        children = [c for c, p in self._parents.items() if p.request_id == request_id]
-        for child_id in children or [request_id]:
+        parent = self._parent_ids.get(request_id)
+        for child_id in parent.child_ids if parent is not None else [request_id]:
             seq = self._requests.get(child_id)
             if seq is not None and not seq.is_finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED, self.now())
@@ -297,7 +297,7 @@ class LLMEngine(PipelineRecovery):
         try:
             self._issue()
             if not self._inflight:
-                return self._take_aborted()
+                return _latest_per_parent(self._take_aborted())
             # Measured for the report (runtime_split.py): when the driver began waiting, and
             # whether the in-flight limit held back a micro-batch the scheduler had work for
             # (not full: every sequence that could run is in flight, or no KV block is free).
@@ -313,7 +313,7 @@ class LLMEngine(PipelineRecovery):
                 self._inflight.popleft()
         except BaseException as e:
             self._on_step_failure(e)  # re-raises unless a lost stage was replaced
-            return self._take_aborted()
+            return _latest_per_parent(self._take_aborted())
         if not self.has_unfinished_requests():  # idle for want of work until the next request
             self.observe.idle(self.now(), IDLE_NO_WORK)
         return _latest_per_parent(self._take_aborted() + outputs)
@@ -325,7 +325,7 @@ class LLMEngine(PipelineRecovery):
 
     def _take_aborted(self) -> list[RequestOutput]:
         aborted, self._aborted = self._aborted, []
-        return _latest_per_parent(aborted)
+        return aborted
 
     def _issue(self) -> None:
         """Issue every micro-batch the scheduler can, up to the in-flight limit."""
@@ -396,6 +396,7 @@ class LLMEngine(PipelineRecovery):
         if parent.finished:
             for child_id in parent.child_ids:
                 self._parents.pop(child_id, None)
+            self._parent_ids.pop(parent.request_id, None)
         return merged
 
     # --- records -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ known.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -301,17 +302,30 @@ def _stage_events(
         mbs = [e.mb for e in events]
         if len(set(mbs)) != len(mbs):
             raise ValueError(f"{source}: stage {s} has more than one record of a micro-batch")
-    _check_same_mbs(per_stage, source)
+    per_stage = _same_mbs(per_stage, source)
     return tuple(tuple(e) for e in per_stage)
 
 
-def _check_same_mbs(per_stage: list[list[StageEvent]], source: str) -> None:
-    ref = {e.mb for e in per_stage[0]}
-    for s, events in enumerate(per_stage[1:], 1):
-        mbs = {e.mb for e in events}
-        if mbs != ref:
-            diff = sorted(ref ^ mbs)[:5]
-            raise ValueError(
-                f"{source}: stages 0 and {s} ran different micro-batches "
-                f"(e.g. {diff}): every stage needs a record of every micro-batch"
-            )
+def _same_mbs(per_stage: list[list[StageEvent]], source: str) -> list[list[StageEvent]]:
+    """``per_stage`` when every stage has a record of every micro-batch. Micro-batches only
+    some stages recorded *after* every complete one are the end of a run cut short (the
+    writer killed in the middle of a micro-batch's records, whose last line
+    ``read_events`` left out): left out with a warning. Any other gap is an error."""
+    seen = [{e.mb for e in events} for events in per_stage]
+    common = set.intersection(*seen)
+    partial = set.union(*seen) - common
+    if not partial:
+        return per_stage
+    if not common or min(partial) < max(common):
+        s = next(s for s, mbs in enumerate(seen) if mbs != seen[0])
+        diff = sorted(seen[0] ^ seen[s])[:5]
+        raise ValueError(
+            f"{source}: stages 0 and {s} ran different micro-batches "
+            f"(e.g. {diff}): every stage needs a record of every micro-batch"
+        )
+    warnings.warn(
+        f"{source}: left out micro-batch(es) {sorted(partial)[:5]} at the end of the log, "
+        "recorded by only some stages (the run was cut short)",
+        stacklevel=3,
+    )
+    return [[e for e in events if e.mb in common] for events in per_stage]

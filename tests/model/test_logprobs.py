@@ -176,6 +176,9 @@ def test_the_engine_takes_n_completions_as_one_parent_request(llama_dir):
         assert [c.index for c in final.outputs] == [0, 1]
         assert [len(c.token_ids) for c in final.outputs] == [4, 4]
         assert final.outputs[0].token_ids == final.outputs[1].token_ids  # greedy
+        engine.add_request("x", None, SamplingParams(max_tokens=1), prompt_token_ids=[1])
+        while engine.has_unfinished_requests():  # a finished parent's id is free again
+            engine.step()
 
         long = SamplingParams(n=3, max_tokens=100, temperature=1.0, seed=1, ignore_eos=True)
         engine.add_request("y", None, long, prompt_token_ids=[1, 2, 3])

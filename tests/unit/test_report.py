@@ -485,3 +485,30 @@ def test_metrics_from_hand_made_token_timelines(tmp_path: Path):
     assert req["duration_s"] == pytest.approx(7.0)
     assert req["generated_tokens_per_s"] == pytest.approx(6 / 7.0)
     assert req["requests_per_s"] == pytest.approx(3 / 7.0)
+
+
+def test_a_log_cut_in_a_micro_batchs_stage_records_still_reports(tmp_path: Path):
+    """A writer killed after stage 0's record of the last micro-batch and part-way into
+    stage 1's: that micro-batch is left out with a warning (never the whole report); a gap
+    before the end is still an error."""
+    model = sim_runs.write_model_dir(tmp_path / "m")
+    run = sim_runs.run(
+        tmp_path / "run", model, sim_runs.requests([40] * 4, 5), sim_runs.constant_s(0.01)
+    )
+    lines = (run / "events.jsonl").read_text().splitlines(keepends=True)
+    stage_lines = [i for i, line in enumerate(lines) if line.startswith('{"type": "stage"')]
+    last = stage_lines[-1]
+    whole = load_log(run / "events.jsonl")
+    last_mb = max(e.mb for e in whole.stages[0])
+    (run / "events.jsonl").write_text("".join(lines[:last]) + lines[last][:30])
+    with pytest.warns(UserWarning, match=rf"left out micro-batch\(es\) \[{last_mb}\]"):
+        cut = load_log(run / "events.jsonl")
+    assert [len(s) for s in cut.stages] == [len(s) - 1 for s in whole.stages]
+    with pytest.warns(UserWarning):
+        write_report(run)
+    assert (run / "summary.json").is_file()
+    # the same record gone from the middle: an error naming the stages
+    first = stage_lines[1]
+    (run / "events.jsonl").write_text("".join(lines[:first] + lines[first + 1 :]))
+    with pytest.raises(ValueError, match="stages 0 and 1 ran different micro-batches"):
+        load_log(run / "events.jsonl")

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import sim_runs
 
 from sarathi_pp.bench.workload import workload_from_dict
 from sarathi_pp.config import make_config
@@ -31,26 +32,12 @@ TINY = {
     "max_position_embeddings": 2048,
     "eos_token_id": 2,
 }
-HW = {
-    "name": "toy",
-    "matmul_tflops": 100.0,
-    "matmul_efficiency": 0.5,
-    "memory_gib": 1.0,
-    "memory_bandwidth_gbs": 1000.0,
-    "memory_efficiency": 0.5,
-    "nvlink_bandwidth_gbs": 100.0,
-    "nvlink_latency_us": 10.0,
-    "network_bandwidth_gbs": 10.0,
-    "network_latency_us": 20.0,
-}
+HW = sim_runs.TOY_GPU
 
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "tiny"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(TINY))
-    return d
+    return sim_runs.write_model_dir(tmp_path / "tiny", TINY)
 
 
 def ops_by_name(rows: Rows, tp: int = 1, tile: int = 128) -> dict:
