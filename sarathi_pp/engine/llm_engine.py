@@ -31,7 +31,7 @@ from sarathi_pp.engine.output_processor import OutputProcessor
 from sarathi_pp.engine.parallel_sampling import ParentRequest
 from sarathi_pp.engine.recovery import PipelineRecovery
 from sarathi_pp.executors import Executor, builtin_resolver, create_executor
-from sarathi_pp.interrupts import deferred_interrupts
+from sarathi_pp.executors.interrupts import deferred_interrupts
 from sarathi_pp.microbatch import MicroBatch, MicroBatchResult
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.placement.partition import check_num_stages

@@ -19,7 +19,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from sarathi_pp.executors import StageError, StageLost
-from sarathi_pp.interrupts import deferred_interrupts
+from sarathi_pp.executors.interrupts import deferred_interrupts
 from sarathi_pp.scheduler.base import IDLE_RECOVERY
 
 if TYPE_CHECKING:

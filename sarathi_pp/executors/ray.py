@@ -46,8 +46,8 @@ from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.comm.p2p import StageCommError
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.executors.base import StageError, StageLost
+from sarathi_pp.executors.interrupts import deferred_interrupts
 from sarathi_pp.fault_injection import after_restart
-from sarathi_pp.interrupts import deferred_interrupts
 from sarathi_pp.microbatch import (
     MicroBatch,
     MicroBatchResult,

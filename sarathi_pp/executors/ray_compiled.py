@@ -35,8 +35,8 @@ import time
 from typing import Any
 
 from sarathi_pp.executors.base import StageError, StageLost
+from sarathi_pp.executors.interrupts import deferred_interrupts
 from sarathi_pp.executors.ray import RayExecutor
-from sarathi_pp.interrupts import deferred_interrupts
 from sarathi_pp.microbatch import MicroBatch, MicroBatchResult
 
 logger = logging.getLogger(__name__)

@@ -373,7 +373,8 @@ def test_torchrun_dead_rank_ends_the_run_promptly_naming_it(llama_dir, tmp_path)
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert proc.returncode != 0
     assert time.monotonic() - start < 90  # not the 300 s stage timeout
-    assert "rank      : 1" in proc.stderr and "exitcode  : 70" in proc.stderr  # torchrun names it
+    # torchrun names it (among its failures: under load rank 0 may be seen failing first)
+    assert "rank      : 1" in proc.stderr and "exitcode  : 70" in proc.stderr, proc.stderr[-3000:]
     # rank 0 sees the closed connection first, or torchrun's SIGTERM: either way it says so
     assert ("sarathi-pp: error: pipeline stage 1" in proc.stderr
             or "sarathi-pp: stopped by SIGTERM" in proc.stderr), proc.stderr[-3000:]  # fmt: skip
