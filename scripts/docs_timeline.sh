@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-RUN=${RUN:-runs/docs-timeline}
+RUN=${RUN:-runs/demo}  # the run dir's name titles the picture, as under make demo
 if [[ "${MODEL:-demo}" == tiny ]]; then
     "$PY" -m sarathi_pp generate --config configs/tiny-llama-pp2.yaml \
         --prompts-file configs/demo-prompts-chat.txt --max-tokens 40 --run-dir "$RUN" --overwrite
