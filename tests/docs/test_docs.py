@@ -132,7 +132,8 @@ DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 def _dated_titles() -> list[str]:
     """The lab notebook's headings, without their dates: what a comment would cite."""
     titles = []
-    for md in (DOCS / "lab").glob("*.md"):
+    # the dated records (code-notes.md's headings are Note names: stable, citable)
+    for md in (DOCS / "lab" / NOTEBOOK, DOCS / "lab" / "readme-measurements.md"):
         for line in md.read_text().splitlines():
             if line.startswith("#"):
                 title = line.lstrip("#").strip()
