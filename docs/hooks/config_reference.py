@@ -70,6 +70,12 @@ def _cell(text: str) -> str:
     return " ".join(text.replace("``", "`").split()).replace("|", "\\|")
 
 
+def _type(annotation: str) -> str:
+    """A type as code; a union's ``|`` as an HTML entity (a table cell would split on it,
+    and an escaped one shows its backslash inside code)."""
+    return "<code>" + annotation.replace("|", "&#124;") + "</code>"
+
+
 def sections() -> list[tuple[str, type]]:
     import typing
 
@@ -99,7 +105,7 @@ def render() -> str:
         for f in dataclasses.fields(cls):
             kw = keyword.get((name, f.name))
             out.append(
-                f"| `{name}.{f.name}` | {f'`{kw}`' if kw else '-'} | `{_cell(str(f.type))}` "
+                f"| `{name}.{f.name}` | {f'`{kw}`' if kw else '-'} | {_type(str(f.type))} "
                 f"| {_default(f)} | {_cell(docs.get(f.name, ''))} |"
             )
         out.append("")
