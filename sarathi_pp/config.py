@@ -1,9 +1,10 @@
 """Typed configuration, one frozen dataclass per concern; YAML only at the edge.
 
 The YAML is nested by section (``scheduler: {policy: sarathi, chunk_size: 256}``). The flat
-keywords of ``LLM(...)`` map onto the sections through ``FLAT_KEYS`` (the README has the
-table). Unknown keys are rejected with the list of allowed ones; every value is checked in
-``__post_init__`` and a bad one raises ``ValueError`` naming it. Nothing is written to a
+keywords of ``LLM(...)`` map onto the sections through ``FLAT_KEYS`` (the documentation's
+configuration reference is generated from these classes). Unknown keys are rejected with
+the list of allowed ones; every value is checked in ``__post_init__`` and a bad one raises
+``ValueError`` naming it. Nothing is written to a
 config after construction: values derived from the checkpoint (``max_model_len``) or the
 memory (the number of KV blocks) live in the engine's runtime state.
 """
@@ -79,7 +80,8 @@ class CacheConfig:
     """Tokens per KV block; ``None`` = 16, or 256 on CUDA with flash-attn (its paged
     kernels want blocks of 256 tokens)."""
     kv_cache_memory: int | None = None
-    """Bytes of KV cache per stage; ``None`` = sized from the memory budget (README)."""
+    """Bytes of KV cache per stage; ``None`` = sized from the memory budget (the
+    configuration guide, "KV cache sizing")."""
     num_kv_blocks: int | None = None
     """Fixes the number of KV blocks instead (wins over ``kv_cache_memory``)."""
     cpu_memory_budget: int = 4 * GiB
@@ -109,7 +111,7 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     policy: str = "sarathi"
-    """``sarathi``, ``vllm``, ``orca`` or ``simple_chunking`` (see the README)."""
+    """``sarathi``, ``vllm``, ``orca`` or ``simple_chunking`` (the design page "Schedulers")."""
     chunk_size: int | str = 256
     """Token budget of one micro-batch: prefill + decode rows (sarathi, simple_chunking);
     ``auto`` = planned from the memory bound and adjusted online from the P:D ratio of
@@ -281,7 +283,7 @@ class RunConfig:
     """Where to write the run's records (config.yaml, requests.csv, ...); ``None`` = nowhere."""
     overwrite: bool = False
     """Allow writing into an existing non-empty run dir: what an earlier run wrote there is
-    removed first (the files the README lists), nothing else."""
+    removed first (the files the bubble-report guide lists), nothing else."""
     compact_events: bool | str = "auto"
     """``events.jsonl``'s form for completed micro-batches: ``false`` one ``done`` record and
     one ``stage`` record per stage; ``true`` one ``microbatch`` record each (the same

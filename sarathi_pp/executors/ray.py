@@ -107,9 +107,8 @@ def _ray() -> ModuleType:
 # - Ray's own bookkeeping off: per-task events (the state API's and dashboard's task
 #   lists), Ray's metrics export, its event-loop statistics and ``ray timeline``. Nothing
 #   reads them here (the dashboard is not started; the run's own records, trace and
-#   metrics are sarathi-pp's), and they cost CPU beside the stages: on a 2-core VM the
-#   machine's CPU time outside the stages fell by 0.25-0.4 s a PP=2 run (of about 1.4; the
-#   wall within its noise: docs/control-plane.md, "Ray's bookkeeping, re-measured").
+#   metrics are sarathi-pp's), and they cost CPU beside the stages (the design page "The
+#   control plane", section "Ray's bookkeeping"; the runs are in the lab notebook).
 # They are in the environment only while ``ray.init`` starts the cluster, so this process's
 # own environment (and what it starts later) is left as it was. A cluster given by
 # ``RAY_ADDRESS`` (``ray start``, ``ray job submit``) keeps its own settings.

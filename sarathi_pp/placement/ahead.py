@@ -30,8 +30,8 @@ def resolve_schedule_ahead(
     """``schedule_ahead: auto``: on for the ``ray`` executor with 2+ stages when the driver
     has a core of its own (stages on GPUs, or CPU stages whose threads leave a core free).
     Scheduling ahead moves the driver's work beside the stages' compute: where the stages'
-    threads take every core it competes with them and slows them down (measured on 2
-    cores: docs/control-plane.md, "Scheduling ahead")."""
+    threads take every core it competes with them and slows them down (the design page
+    "The control plane", "What to choose": scheduling ahead)."""
     p = config.parallel
     if p.schedule_ahead != "auto":
         return ScheduleAhead(bool(p.schedule_ahead))

@@ -91,8 +91,8 @@ class Scheduler(ABC):
         self._ahead: set[int] = set()  # sequences offered a decode ahead in this schedule()
         self._released: list[int] = []  # penalized sequences freed: the next micro-batch says
         self.tuner: ChunkTuner | None = None  # set for ``chunk_size: auto``
-        # Policies that run whole prompts ignore chunk_size, "auto" included (README:
-        # settings a policy does not use are accepted, so one config serves every policy).
+        # Policies that run whole prompts ignore chunk_size, "auto" included (the configuration
+        # guide: settings a policy does not use are accepted, so one config serves every policy).
         if config.chunk_size == "auto" and self.chunks_prompts:
             if max_decode_batch is None:
                 max_decode_batch = kv_decode_batch(

@@ -25,7 +25,7 @@ Pipeline sends carry ``N x hidden`` values to the next stage; with ``tp`` GPUs e
 its ``1/tp`` share over its own link (Megatron's scatter/gather), ``bytes / tp /
 bandwidth + latency``.
 
-Left out (the README lists it): kernel launch and framework overheads, rotary
+Left out (the simulator's design page lists it): kernel launch and framework overheads, rotary
 embeddings, sampling, attention's softmax FLOPs, overlap of compute and communication,
 and any efficiency that depends on the shape beyond the tile padding.
 """

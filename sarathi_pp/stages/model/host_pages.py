@@ -7,17 +7,13 @@ every 4 KB read is also a TLB miss and a page walk (a 16-token block of the embe
 K is 16 KB: four pages). Linux gives 2 MB pages to memory that asks for them
 (``madvise(MADV_HUGEPAGE)``) where ``/sys/kernel/mm/transparent_hugepage/enabled`` is
 ``madvise`` (the default of many distributions, and this project's CI machines) and to all
-memory where it is ``always``. On a 2-core AVX-512 EPYC VM (2026-12-02, 2 threads, caches
-cycled from memory): the decode attention kernel over 8 layers' K/V 1.05-1.09x faster than
-on 4 KB pages (16 x 600: 8.75 -> 8.05 ms; 32 x 1 k: 29.9 -> 28.4 ms), the panel GEMM over 8
-layers' packed weights 1.02-1.09x at 1-32 rows (16 rows: 18.9 -> 17.3 ms, and 16.6 -> 15.7
-ms in the other order), 1.00x at 256 rows; decode steps in ``benchmarks/piggyback.py`` (600
-tokens of context) with and without, alternated three times: 1 decode 1.02-1.08x, 8 decodes
-1.01-1.05x, 16 decodes 0.95-1.07x (within this machine's noise).
+memory where it is ``always``. Fewer TLB misses make the decode attention kernel and the
+panel GEMM a few percent faster on small rows (the figures: the lab notebook's "Figures
+moved out of the code", Note [huge pages]).
 
 The KV cache's memory is an anonymous mapping of its own (``kv_cache._zeros``), which
-``KVCache`` advises for huge pages before any page is touched (until 2026-12-03 it came from
-numpy, which advises them for its large buffers too). The packed weights came from torch's
+``KVCache`` advises for huge pages before any page is touched (it once came from numpy,
+which advises them for its large buffers too). The packed weights came from torch's
 allocator, which does not (unless ``THP_MEM_ALLOC_ENABLE=1``): ``linear.Linear`` packs into
 ``empty_huge``.
 

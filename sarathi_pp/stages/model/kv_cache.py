@@ -101,11 +101,10 @@ def populate(t: torch.Tensor) -> None:
 
     Note [KV cache prefault]: by default the cache's pages are mapped as the blocks are first
     written (``_zeros``), and that first write is paid inside the steps. On bare metal it
-    is small (~0.5 us per 4 KB page), but in a VM whose host backs guest memory on demand,
-    such as this project's CI machines (Firecracker, free page reporting), a first touch
-    costs 20-40 us per 4 KB page: 0.1-0.4 GB/s. On the mixed workload of
-    ``benchmarks/vs_hf.py`` the prompts write ~0.3 GB of K/V, and ``write_kv`` took 2.7 s of
-    a 28 s run there, 10% of it (README, issue 15's sixth round). Prefaulting moves that cost
+    is small, but in a VM whose host backs guest memory on demand, such as this project's
+    CI machines (Firecracker, free page reporting), a first touch costs tens of times more,
+    and the prompts' K/V writes pay it inside the steps (the figures: the lab notebook's
+    "Figures moved out of the code", Note [KV cache prefault]). Prefaulting moves that cost
     to start-up and commits the memory there, so a cache the machine cannot hold fails
     before any request is taken instead of ending in an out-of-memory kill mid-run.
 

@@ -7,20 +7,12 @@ call. Here a small C loop calls the same kernels, through their addresses, in th
 on the same buffers, for every layer of the stage: the arithmetic is the per-op path's, bit
 for bit (the tests compare the two), and Python runs once per micro-batch.
 
-Note [the layer loop]: a decode step's small ops cost far more in a step than on their own.
-On a 2-core AVX-512 EPYC (2026-12-02, the embedded model, 16 decodes at 600 tokens of
-context, 2 threads) one ``fused.rms_norm`` of 16 x 1024 takes 16-23 us in a loop
-(4 us of it the C call) but 66 us inside a step: between two ops the GEMMs stream 45 MB of
-weights per layer through the caches, so the interpreter and torch's dispatcher start cold
-every time. Of that step's 33 ms, the linears took 18 ms and the attention kernel 8.2 ms;
-~6 ms were the Python between and around the kernels (norms, rotary, SiLU and adds 3 ms,
-the attention's wrapper 1.5 ms, the linears' wrappers the rest). The loop removes that time
-from every step. Measured with it off and on alternated (the same machine and day; README,
-issue 15's eighth round): ``benchmarks/piggyback.py`` decode-only steps at 600 tokens of
-context, 16 decodes 32.4-33.2 -> 26.8-29.9 ms, 1 decode 17.0-19.3 -> 14.9-16.1 ms, 32 x 1 k
-66.0 / 66.6 -> 58.8 / 55.8 ms; prefill and hybrid steps no slower; ``make demo``'s
-``generate`` (SmolLM2-135M, 30 layers of hidden 576) at PP=1 29.7 / 26.5 -> 33.8 / 32.4
-tokens/s, at PP=2 33.5 / 32.8 -> 35.3 / 34.5 (two stages and the driver on 2 cores).
+Note [the layer loop]: a decode step's small ops cost far more in a step than on their own:
+between two ops the GEMMs stream a layer's weights through the caches, so the interpreter
+and torch's dispatcher start cold every time, and the Python between and around the
+kernels (norms, rotary, SiLU, adds, the wrappers) becomes a sizeable share of a decode
+step. The loop removes that time from every step; prefill and hybrid steps are no slower.
+The measurements: the lab notebook's "Figures moved out of the code", Note [the layer loop].
 
 Applies (``LayerLoop.build``) when every layer's linears are ``panel_gemm``, the element-wise
 ops are ``kernels/cpu/fused``'s and attention is ``cpu_paged`` with its kernels built; per
