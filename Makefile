@@ -62,7 +62,7 @@ test: venv
 # missing from the navigation fails it. The configuration reference is generated from
 # sarathi_pp/config.py during the build (docs/hooks/config_reference.py).
 docs: venv
-	$(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The picture of README.md and the docs' home page: make demo's run, its timeline.png
 # copied to docs/assets/demo-timeline.png (scripts/docs_timeline.sh; ~1-4 min).
