@@ -6,7 +6,7 @@ A decode-only step multiplies a few rows ``[num_decodes, hidden]`` by every weig
 chunk many. This prints, per weight and row count, the best of ``--repeats`` interleaved
 runs of each kind (ms), the best kind, and each kind's time over the best, plus the rows' FLOP
 rate of the best kind. Run from the repository root:
-``python benchmarks/linear_rows.py [--rows 1,8,32] [--threads N]``.
+``python benchmarks/linear_rows.py [--rows 1,8,32] [--threads N] [--quick]``.
 """
 
 from __future__ import annotations
@@ -31,10 +31,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=parse_int_list, default=[1, 4, 8, 16, 32, 64, 256, 512])
     p.add_argument("--repeats", type=int, default=12)
+    p.add_argument("--quick", action="store_true", help="rows 1,8,64, 3 repeats: a few seconds")
     add_threads_flag(p)
     add_record_flag(p)
     args = p.parse_args(argv)
-    run = Run("linear_rows", argv, enabled=not args.no_record)
+    if args.quick:
+        args.rows, args.repeats = [1, 8, 64], 3
+    run = Run("linear_rows", argv, quick=args.quick, enabled=not args.no_record)
     print(machine_line(set_threads(args.threads)))
     kinds = available_kinds()
     run.settings.update(kinds=kinds, repeats=args.repeats, threads=torch.get_num_threads())
