@@ -69,13 +69,20 @@ docs: venv
 docs-timeline: venv
 	PY=$(PY) scripts/docs_timeline.sh
 
-# ruff (lint + format), the import contracts of pyproject.toml (lint-imports) and mypy on
-# the files `[tool.mypy] files` lists.
+# ruff (lint + format), the import contracts of pyproject.toml (lint-imports), mypy on
+# the files `[tool.mypy] files` lists, and the results page and README table rendered from
+# benchmarks/results.jsonl being current (`make results` renders them).
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
+	$(PY) benchmarks/render_results.py --check
+
+# docs/benchmarks/results.md and the README's table of results, from benchmarks/results.jsonl.
+.PHONY: results
+results: venv
+	$(PY) benchmarks/render_results.py
 
 # Every GPU check on one GPU in < 5 min, without installing the project (PYTHONPATH=.):
 # the tests in tests/gpu (skips with their reasons) and benchmarks/gpu_checks.py's figures.

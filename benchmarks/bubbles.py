@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from common import load_args_workload, load_average
+from results import Run, add_record_flag, cores_note
 
 from sarathi_pp import LLM, SamplingParams
 from sarathi_pp.bench.workload import BenchRequest
@@ -46,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=None, help="default: the workload's")
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--quick", action="store_true", help=f"default workload {QUICK_WORKLOAD}")
+    add_record_flag(p)
     return p.parse_args(argv)
 
 
@@ -87,23 +89,53 @@ def run_one(args, scheduler: str, requests: list[BenchRequest], run_dir: Path) -
         llm.shutdown()
 
 
+def record(run: Run, names: list[str], summaries: list[dict], walls: list[float],
+           num_tokens: int) -> None:  # fmt: skip
+    """Per scheduler: its bubble fraction and throughput, against vllm's (the
+    prefill-prioritised baseline SARATHI's paper compares with) where vllm ran."""
+    by_name = dict(zip(names, zip(summaries, walls, strict=True), strict=True))
+    base = by_name.get("vllm")
+    for name, (summary, wall) in by_name.items():
+        vs = base if base is not None and name != "vllm" else None
+        run.measure(
+            f"bubble fraction, {name}", 100 * summary["overall"]["bubble_fraction"], "%",
+            baseline=100 * vs[0]["overall"]["bubble_fraction"] if vs else None,
+            baseline_label="vllm" if vs else None, better="lower",
+            headline="pipeline bubbles, SARATHI vs vLLM-style (PP=2)" if name == "sarathi" else None,
+        )  # fmt: skip
+        run.measure(
+            f"generated tokens/s, {name}", num_tokens / wall, "tok/s",
+            baseline=num_tokens / vs[1] if vs else None,
+            baseline_label="vllm" if vs else None, better="higher",
+        )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    run = Run("bubbles", argv, quick=args.quick, enabled=not args.no_record)
     policies = schedulers(args.schedulers)  # before anything is written or removed
     workload = load_args_workload(args, WORKLOAD, QUICK_WORKLOAD)
     requests = workload.requests(VOCAB_SIZE)
-    names, summaries = [], []
+    names, summaries, walls = [], [], []
     for scheduler in policies:
         run_dir = Path(args.out) / scheduler
         wall = run_one(args, scheduler, requests, run_dir)
         print(f"{scheduler}: {wall:.1f} s ({run_dir})", file=sys.stderr)
         names.append(scheduler)
+        walls.append(wall)
         summaries.append(write_report(run_dir, plot=True))
     print(
         f"# {workload.describe()}; chunk {args.chunk_size}, PP=2, one thread per stage; "
         f"load average {load_average()}"
     )
     print(format_comparison(names, summaries))
+    run.settings.update(workload=workload.describe(), config=args.config,
+                        chunk_size=args.chunk_size)  # fmt: skip
+    record(run, names, summaries, walls, sum(r.output_tokens for r in requests))
+    run.note(cores_note(2))
+    run.note("Bubble fraction: the stages' idle share of the steady state (sarathi-pp "
+             "report); tokens/s from the generate call's wall time.")  # fmt: skip
+    run.write()
     return 0
 
 

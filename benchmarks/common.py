@@ -82,6 +82,23 @@ def machine_line(num_threads: int) -> str:
     )
 
 
+def machine_info() -> dict[str, object]:
+    """The machine as a results record keeps it (``results.Run``): what ``machine_line``
+    prints, as fields, and the GPU if torch sees one."""
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "cpu": _cpu_model(),
+        "arch": platform.machine(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "gpu": gpu,
+        "num_gpus": torch.cuda.device_count() if gpu else 0,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+
+
 def time_once(fn: Callable[[], object]) -> float:
     """Seconds one call of ``fn`` takes (``time.perf_counter``; CPU work is synchronous)."""
     t0 = time.perf_counter()

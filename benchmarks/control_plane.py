@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from common import load_args_workload, load_average
+from results import Run, add_record_flag, cores_note
 
 from sarathi_pp import LLM, SamplingParams
 from sarathi_pp.bench.workload import BenchRequest
@@ -73,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=None, help="default: the workload's")
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--quick", action="store_true", help=f"default workload {QUICK_WORKLOAD}")
+    add_record_flag(p)
     return p.parse_args(argv)
 
 
@@ -153,8 +155,35 @@ def _pct(fraction: float | None) -> str:
     return "-" if fraction is None else f"{fraction:.1%}"
 
 
+def record(run: Run, rows: list[tuple[str, float, dict, dict]], tokens: int) -> None:
+    """Per run: tokens/s and the bubble (all, runtime's) against the same scheduler's plain
+    ``ray`` run where there is one; L and the driver's time per micro-batch."""
+    by_name = {name: (wall, s, c) for name, wall, s, c in rows}
+    for name, (wall, s, c) in by_name.items():
+        base_name = name.replace("-ray+ahead", "-ray").replace("-ray_compiled", "-ray")
+        base = by_name.get(base_name) if base_name != name else None
+        label = base_name if base else None
+        o = s["overall"]
+        bo = base[1]["overall"] if base else None
+        window, base_window = o["window_s"] or 1.0, (bo["window_s"] or 1.0) if bo else 1.0
+        run.measure(f"{name}: generated tokens/s", tokens / wall, "tok/s",
+                    baseline=tokens / base[0] if base else None, baseline_label=label,
+                    better="higher")  # fmt: skip
+        run.measure(f"{name}: bubble fraction", 100 * o["bubble_fraction"], "%",
+                    baseline=100 * bo["bubble_fraction"] if bo else None, baseline_label=label,
+                    better="lower")  # fmt: skip
+        run.measure(f"{name}: runtime bubbles", 100 * o["families_s"]["runtime"] / window, "%",
+                    baseline=100 * bo["families_s"]["runtime"] / base_window if bo else None,
+                    baseline_label=label, better="lower")  # fmt: skip
+        run.measure(f"{name}: L per micro-batch", c["L"], "us",
+                    baseline=base[2]["L"] if base else None, baseline_label=label,
+                    better="lower")  # fmt: skip
+        run.measure(f"{name}: driver per micro-batch", c["driver"], "us", better="lower")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    run = Run("control_plane", argv, quick=args.quick, enabled=not args.no_record)
     executors = [e.strip() for e in args.executors.split(",") if e.strip()]
     unknown = [e for e in executors if e not in VARIANTS]
     if unknown:
@@ -200,6 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         "window's share after; dispatch, return, driver, sched, L: medians per micro-batch "
         "in microseconds)"
     )
+    run.settings.update(workload=workload.describe(), config=args.config,
+                        chunk_size=args.chunk_size, in_flight=in_flights)  # fmt: skip
+    record(run, rows, tokens)
+    run.note(cores_note(2))
+    run.note("Read the rows against each other (one run of the script), not as absolute "
+             "costs; L, driver: medians per micro-batch from events.jsonl.")  # fmt: skip
+    run.write()
     return 0
 
 

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from results import Run, add_record_flag
 
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
 from sarathi_pp.model_spec import spec_from_dict
@@ -53,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4, help="decoder layers (2-4 fit 5 minutes)")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per figure (median)")
+    add_record_flag(p)
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("error: no CUDA device (use --device cpu --tiny for the smoke mode)")
@@ -170,7 +172,7 @@ def fill(layers: Layers, seq_id: int, num_tokens: int) -> ScheduledChunk:
 
 
 # --- the figures -----------------------------------------------------------------------------
-def prefill_mfu(layers: Layers, peak: float, sizes: list[int], repeats: int) -> None:
+def prefill_mfu(layers: Layers, peak: float, sizes: list[int], repeats: int, run: Run) -> None:
     print(f"prefill MFU ({layers.spec.num_layers} layers; vs the matmul rate above):")
     for n in sizes:
         mb = MicroBatch(1, (ScheduledChunk(10_000 + n, 0, (1,) * n, True, layers.table(n)),))
@@ -180,6 +182,9 @@ def prefill_mfu(layers: Layers, peak: float, sizes: list[int], repeats: int) -> 
         print(
             f"  chunk {n:>5} tokens: {t * 1e3:8.2f} ms  {rate / 1e12:7.3f} TFLOP/s  MFU {rate / peak:6.1%}"
         )
+        headline = "GPU prefill MFU, 7B layer shapes" if not run.quick and n == sizes[-1] else None
+        run.measure(f"prefill MFU, chunk {n} tokens", 100 * rate / peak, "%", better="higher",
+                    headline=headline, detail=f"{t * 1e3:.2f} ms, {rate / 1e12:.3f} TFLOP/s")  # fmt: skip
 
 
 def tile_curve(layers: Layers, around: list[int], repeats: int) -> None:
@@ -196,7 +201,9 @@ def tile_curve(layers: Layers, around: list[int], repeats: int) -> None:
     print("  " + "  ".join(line))
 
 
-def piggyback(layers: Layers, decodes: list[ScheduledChunk], chunk: int, repeats: int) -> None:
+def piggyback(
+    layers: Layers, decodes: list[ScheduledChunk], chunk: int, repeats: int, run: Run
+) -> None:
     prefill = ScheduledChunk(30_000, 0, (1,) * chunk, True, layers.table(chunk))
     kinds = {
         "prefill-only": MicroBatch(1, (prefill,)),
@@ -212,17 +219,24 @@ def piggyback(layers: Layers, decodes: list[ScheduledChunk], chunk: int, repeats
         + f"; per decode token: alone {alone * 1e3:.3f} ms, piggybacked {added * 1e3:.3f} ms, "
         f"ratio {added / alone:.3f}"
     )
+    run.measure(
+        f"decode token cost piggybacked, {n} decodes at {decodes[0].start}, chunk {chunk}",
+        added * 1e3, "ms", baseline=alone * 1e3, baseline_label="in a decode-only step",
+        better="lower",
+    )  # fmt: skip
 
 
-def decode_graphs(layers: Layers, decodes: list[ScheduledChunk], repeats: int) -> None:
+def decode_graphs(layers: Layers, decodes: list[ScheduledChunk], repeats: int, run: Run) -> None:
     """A decode-only step's layers eagerly, then replayed from a CUDA graph captured once
     (same metadata and inputs: what a graph-per-batch-size runner would replay)."""
     mb = MicroBatch(4, tuple(decodes))
     x, meta = layers.prepare(mb)
     eager = timed(lambda: layers.run(x, meta), layers.device, repeats)
     msg = f"decode-only step ({len(decodes)} decodes, backend {layers.backend}): eager {eager * 1e3:.2f} ms"
+    name = f"decode-only step, {len(decodes)} decodes"
     if layers.device.type != "cuda":
         print(msg + "; CUDA graph: skipped (not on CUDA)")
+        run.measure(name, eager * 1e3, "ms", better="lower", detail="eager, no CUDA graph")
         return
     try:
         stream = torch.cuda.Stream()
@@ -236,11 +250,15 @@ def decode_graphs(layers: Layers, decodes: list[ScheduledChunk], repeats: int) -
             layers.run(x, meta)
         replay = timed(graph.replay, layers.device, repeats)
         print(msg + f"; CUDA graph replay {replay * 1e3:.2f} ms ({eager / replay:.2f}x)")
+        run.measure(name, replay * 1e3, "ms", baseline=eager * 1e3, baseline_label="eager",
+                    better="lower", detail="CUDA graph replay")  # fmt: skip
     except Exception as e:  # noqa: BLE001 - report, do not stop the other figures
         print(msg + f"; CUDA graph capture failed: {type(e).__name__}: {str(e)[:200]}")
+        run.measure(name, eager * 1e3, "ms", better="lower",
+                    detail=f"eager; CUDA graph capture failed: {type(e).__name__}")  # fmt: skip
 
 
-def control_plane(device: str, steps: int) -> None:
+def control_plane(device: str, steps: int, run: Run) -> None:
     """L per micro-batch on PP=1: the engine's time per step outside ``ModelRunner.execute``."""
     from sarathi_pp import LLM, SamplingParams
 
@@ -267,10 +285,14 @@ def control_plane(device: str, steps: int) -> None:
         f"control plane (embedded model, PP=1, {n} steps): step compute {sum(inside) / n * 1e3:.2f} ms, "
         f"outside execute (L) {(wall - sum(inside)) / n * 1e3:.2f} ms per micro-batch"
     )
+    run.measure("control plane: outside execute (L) per micro-batch, PP=1",
+                (wall - sum(inside)) / n * 1e3, "ms", better="lower",
+                detail=f"embedded model; step compute {sum(inside) / n * 1e3:.2f} ms")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    run = Run("gpu_checks", argv, quick=args.tiny, enabled=not args.no_record)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -281,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(1)  # a smoke run: steadier on a shared machine, and quick
     peak = matmul_rate(device, dtype, tiny)
     print(f"matmul rate ({dtype}): {peak / 1e12:.3f} TFLOP/s")
+    run.measure(f"matmul rate, {dtype}".replace("torch.", ""), peak / 1e12, "TFLOP/s",
+                better="higher", detail="the best of a few large GEMMs: the MFU peak")  # fmt: skip
     cfg = TINY if tiny else LLAMA_7B
     num_decodes, context = (4, 40) if tiny else (64, 1024)
     blocks = -(-(num_decodes * (context + 1) + 40_000) // args.block_size)
@@ -291,13 +315,18 @@ def main(argv: list[str] | None = None) -> None:
         f"{s.num_kv_heads} KV heads, MLP {s.intermediate_size}); block size {args.block_size}; "
         f"attention backend {layers.backend}"
     )
-    prefill_mfu(layers, peak, [32, 64] if tiny else [512, 1024, 2048, 4096], args.repeats)
+    prefill_mfu(layers, peak, [32, 64] if tiny else [512, 1024, 2048, 4096], args.repeats, run)
     tile_curve(layers, [128] if tiny else [512, 1024, 2048], args.repeats)
     decodes = [fill(layers, i, context) for i in itertools.islice(itertools.count(1), num_decodes)]
-    piggyback(layers, decodes, 64 if tiny else 1024, args.repeats)
+    piggyback(layers, decodes, 64 if tiny else 1024, args.repeats, run)
     for n in sorted({1, min(8, num_decodes), num_decodes}):
-        decode_graphs(layers, decodes[:n], args.repeats)
-    control_plane(args.device, 8 if tiny else 32)
+        decode_graphs(layers, decodes[:n], args.repeats, run)
+    control_plane(args.device, 8 if tiny else 32, run)
+    run.settings.update(device=name, layers=args.layers, block_size=args.block_size,
+                        repeats=args.repeats, backend=layers.backend)  # fmt: skip
+    if tiny:
+        run.note("--tiny: tiny shapes, the smoke mode; no figure of a 7B layer.")
+    run.write()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from common import (  # noqa: E402
     matmul_rates,
     set_threads,
 )
+from results import Run, add_record_flag  # noqa: E402
 
 from sarathi_pp.stages.kernels.cpu.paged_attention import kernel_threads, load_kernel, load_prefill  # noqa: E402
 from sarathi_pp.stages.model.attention import (  # noqa: E402
@@ -54,12 +55,21 @@ def main(argv: list[str] | None = None) -> None:
         help="then a prefill chunk of this many tokens after --context cached ones (0: none)",
     )
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--quick", action="store_true", help="8 decodes x 256 context, prefill 64")
     add_threads_flag(p)
+    add_record_flag(p)
     args = p.parse_args(argv)
+    if args.quick:
+        args.decodes, args.context, args.prefill, args.repeats = 8, 256, 64, 5
+    run = Run("paged_attention", argv, quick=args.quick, enabled=not args.no_record)
     print(machine_line(set_threads(args.threads)))
     if load_kernel() is None:
         raise SystemExit("error: the C kernel did not build (see the warning above)")
     print(f"kernel threads: {kernel_threads()}")
+    run.settings.update(
+        heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+        block_size=args.block_size, repeats=args.repeats, kernel_threads=kernel_threads(),
+    )  # fmt: skip
     bs, n = args.block_size, args.decodes
     per_seq = -(-(args.context + 1) // bs)
     num_blocks = 2 * n * per_seq  # half of the cache unused, as a real cache mostly is
@@ -100,12 +110,25 @@ def main(argv: list[str] | None = None) -> None:
     for name, t in best.items():
         print(f"  {name:<10} {t * 1e3:8.2f} ms  {t / floor:6.1f}x the floor")
     print(f"  in place / gather + SDPA: {best['cpu_paged'] / best['torch']:.2f}")
+    shape = f"{n} decodes x {args.context} context"
+    run.measure(
+        f"decode attention, {shape}", best["cpu_paged"] * 1e3, "ms",
+        baseline=best["torch"] * 1e3, baseline_label="gather + SDPA", better="lower",
+        headline="paged decode attention, in place / gather + SDPA",
+    )  # fmt: skip
+    run.measure(
+        f"decode attention over its K/V bandwidth floor, {shape}", best["cpu_paged"] / floor,
+        "x", better="lower", detail=f"floor {floor * 1e3:.2f} ms at {gbps:.1f} GB/s copy rate",
+    )  # fmt: skip
     if args.prefill > 0:
-        prefill(args, paths, k_cache, v_cache, g)
+        prefill(args, paths, k_cache, v_cache, g, run)
     print(f"load avg (1 min) at the end: {load_average()}")
+    run.note("One layer, float32, shuffled block tables; the two paths interleaved, best of "
+             "--repeats each.")  # fmt: skip
+    run.write()
 
 
-def prefill(args, paths, k_cache, v_cache, g) -> None:
+def prefill(args, paths, k_cache, v_cache, g, run: Run) -> None:
     """One chunk of ``--prefill`` tokens at position ``--context`` over its shuffled blocks."""
     bs, start, n = args.block_size, args.context, args.prefill
     if load_prefill() is None:
@@ -137,6 +160,11 @@ def prefill(args, paths, k_cache, v_cache, g) -> None:
         rate = flops / t / 1e9
         print(f"  {name:<10} {t * 1e3:8.2f} ms  {rate:6.1f} GFLOP/s  {rate / peak:6.1%} of it")
     print(f"  in place / gather + SDPA: {best['cpu_paged'] / best['torch']:.2f}")
+    run.measure(
+        f"prefill attention, {n} tokens after {start}", flops / best["cpu_paged"] / 1e9,
+        "GFLOP/s", baseline=flops / best["torch"] / 1e9, baseline_label="gather + SDPA",
+        better="higher", detail=f"{flops / best['cpu_paged'] / 1e9 / peak:.1%} of the matmul rate",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

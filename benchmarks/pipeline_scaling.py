@@ -103,6 +103,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 
 import torch  # noqa: E402
 from common import load_args_workload, load_average, machine_line, random_prompts  # noqa: E402
+from results import Run, add_record_flag, cores_note  # noqa: E402
 
 from sarathi_pp import LLM, SamplingParams  # noqa: E402
 from sarathi_pp.bench.workload import BenchRequest  # noqa: E402
@@ -162,6 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "one thread each), after each pair: the throughput two cores give with no pipeline "
         "at all, i.e. this machine's bound for any split of the work over two cores",
     )
+    add_record_flag(p)
     args = p.parse_args(argv)
     args.schedule_ahead = {"true": True, "false": False}.get(args.schedule_ahead, "auto")
     for name in ("num_stages", "threads_per_stage", "chunk_size", "repeat"):
@@ -727,6 +729,7 @@ def check_outputs(runs: list[RunResult], requests: list[BenchRequest]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    run = Run("pipeline_scaling", argv, quick=args.quick, enabled=not args.no_record)
     cores = len(os.sched_getaffinity(0))
     print(machine_line(args.threads_per_stage) + f"; usable cores (affinity) {cores}")
     if cores < args.num_stages * args.threads_per_stage:
@@ -734,6 +737,7 @@ def main(argv: list[str] | None = None) -> None:
             f"WARNING: {cores} usable core(s) < {args.num_stages} stages x "
             f"{args.threads_per_stage} thread(s): the stages cannot all run at once"
         )
+    run.note(cores_note(args.num_stages, args.threads_per_stage))
     if os.getloadavg()[0] > 1.0:
         print("WARNING: load average > 1: other processes compete for the cores; times are noisy")
     workload = load_args_workload(args, WORKLOAD, QUICK_WORKLOAD)
@@ -775,6 +779,56 @@ def main(argv: list[str] | None = None) -> None:
     if sides:
         print_side_by_side(pairs, sides)
     print(f"load avg (1 min) at the end: {load_average()}")
+    run.settings.update(
+        workload=workload.describe(), scheduler=args.scheduler, chunk_size=args.chunk_size,
+        num_stages=args.num_stages, threads_per_stage=args.threads_per_stage,
+        executor=args.executor, schedule_ahead=args.schedule_ahead,
+        microbatches_in_flight=args.microbatches_in_flight, prefault=args.prefault,
+        repeat=args.repeat,
+    )  # fmt: skip
+    record(run, pairs, sides, num_output_tokens)
+    for i, pair in enumerate(pairs, 1):
+        same = all(a == b for a, b in zip(pair[0].tokens, pair[1].tokens, strict=True))
+        run.check(f"pair {i}: {pair[1].name}'s outputs identical to PP=1's", same)
+    run.write()
+
+
+def record(
+    run: Run, pairs: list[list[RunResult]], sides: list[SideBySide], num_gen_tokens: int
+) -> None:
+    """The throughput of PP=N against PP=1 (median walls over the alternated pairs), the
+    pipeline efficiency, the ceiling and the cores' bound (medians), the two phases (the last
+    pair), the two-core bound (with --side-by-side)."""
+    med = statistics.median
+    base_wall, pp_wall = med(p[0].wall_s for p in pairs), med(p[1].wall_s for p in pairs)
+    pp = pairs[-1][1]
+    n = len(pp.stage_spans)
+    over = f"median of {len(pairs)} alternated pairs" if len(pairs) > 1 else "one pair"
+    ratios = ", ".join(f"{throughput_ratio(p):.2f}" for p in pairs)
+    run.measure(
+        f"generated tokens/s, {pp.name}", num_gen_tokens / pp_wall, "tok/s",
+        baseline=num_gen_tokens / base_wall, baseline_label="PP=1", better="higher",
+        headline=f"{pp.name} / PP=1 throughput (one core per stage)",
+        detail=f"{over}; pair ratios {ratios}",
+    )  # fmt: skip
+    run.measure(f"pipeline efficiency, {pp.name}", 100 * base_wall / (n * pp_wall), "%",
+                better="higher", detail=f"PP=1 wall / ({n} x {pp.name} wall)")  # fmt: skip
+    run.measure(
+        f"throughput ratio's ceiling, {pp.name}", med(ceiling_ratio(p) for p in pairs), "x",
+        better="higher", detail="the stages' measured compute, the runtime's own time zero",
+    )  # fmt: skip
+    if all(p[1].machine_cpu for p in pairs):
+        run.measure(f"the cores' bound, {pp.name}", med(cores_ratio(p) for p in pairs), "x",
+                    detail="the run's busy core-seconds packed onto the cores")  # fmt: skip
+    (b1, b2), (p1, p2) = (phases(r) for r in pairs[-1])
+    run.measure(f"prompts' phase wall, {pp.name}", p1, "s", baseline=b1,
+                baseline_label="PP=1", better="lower", detail="the last pair")  # fmt: skip
+    run.measure(f"decode-only tail wall, {pp.name}", p2, "s", baseline=b2,
+                baseline_label="PP=1", better="lower", detail="the last pair")  # fmt: skip
+    if sides:
+        run.measure("two PP=1 side by side over one", med(sd.ratio(p[0]) for p, sd in
+                    zip(pairs, sides, strict=True)), "x",
+                    detail="the two-core bound with no pipeline")  # fmt: skip
 
 
 def print_repeats(pairs: list[list[RunResult]]) -> None:

@@ -35,6 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from results import Run, add_record_flag, cores_note  # noqa: E402
+
 LOCUSTFILE = ROOT / "benchmarks" / "load" / "locustfile.py"
 SERVED_NAME = "bench"
 PERCENTILES = (50, 90, 99)
@@ -120,7 +122,9 @@ def main() -> int:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds for /health")
     p.add_argument("--quick", action="store_true", help="20 s, 4 users, a small random model")
+    add_record_flag(p)
     args = p.parse_args()
+    run = Run("serve_load", quick=args.quick, enabled=not args.no_record)
 
     with tempfile.TemporaryDirectory(prefix="serve-load-") as tmp:
         tmp_dir = Path(tmp)
@@ -148,7 +152,10 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 server.kill()
         results = json.loads(results_path.read_text()) if results_path.exists() else []
-    return report(args, results, before, after, wall, rc)
+    run.settings.update(model="a small random Llama" if args.quick else model, pp=args.pp,
+                        users=args.users, duration_s=args.duration,
+                        max_tokens=args.max_tokens, chat=args.chat, set=args.set)  # fmt: skip
+    return report(args, results, before, after, wall, rc, run)
 
 
 def report(
@@ -158,6 +165,7 @@ def report(
     after: dict[str, float],
     wall: float,
     locust_rc: int,
+    run: Run,
 ) -> int:
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -195,7 +203,27 @@ def report(
     ]  # fmt: skip
     for what, ok in checks:
         print(f"  [{'ok' if ok else 'FAIL'}] {what}")
+    record(run, args, num_ok / wall, tokens / wall, series, checks)
     return 0 if all(ok for _, ok in checks) else 1
+
+
+def record(run: Run, args: argparse.Namespace, req_rate: float, tok_rate: float,
+           series: dict[str, list[float]], checks: list[tuple[str, bool]]) -> None:  # fmt: skip
+    """The client's rates and percentiles (ms), and the checks against /metrics."""
+    where = f"PP={args.pp}, {args.users} users"
+    run.measure(f"{where}: streamed tokens/s", tok_rate, "tok/s", better="higher",
+                headline="serving: streamed tokens/s (locust, OpenAI API)",
+                detail=f"max_tokens {args.max_tokens}, {args.duration} s of load")  # fmt: skip
+    run.measure(f"{where}: requests/s", req_rate, "req/s", better="higher")
+    for label, xs in series.items():
+        for q in (50, 99):
+            run.measure(f"{where}: {label} p{q}", 1000 * percentile(xs, q), "ms", better="lower")
+    for what, ok in checks:
+        run.check(what, ok)
+    run.note(cores_note(args.pp) if args.pp > 1 else None)
+    run.note("The server (engine thread + HTTP) and locust share the machine's cores: these "
+             "are this machine's figures, not the runtime's ceiling.")  # fmt: skip
+    run.write()
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from results import Run, add_record_flag
+
 from sarathi_pp.report import load_log
 
 CLI = [sys.executable, "-m", "sarathi_pp"]
@@ -108,7 +110,9 @@ def _written(path: Path) -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(path.stat().st_mtime))
 
 
-def machine(out: Path, repeats: int, num_requests: int | None, cached: bool = False) -> list[str]:
+def machine(
+    run: Run, out: Path, repeats: int, num_requests: int | None, cached: bool = False
+) -> list[str]:
     """Profiles and measured runs already in ``out`` are reused (an interrupted run resumes),
     and the output names each one reused with when it was written: figures measured at
     another time (another load) are not silently mixed with fresh ones."""
@@ -151,6 +155,13 @@ def machine(out: Path, repeats: int, num_requests: int | None, cached: bool = Fa
             for s in SCHEDULERS:
                 m = {k: _median([figures(r[s])[k] for r in meas]) for k in figures(sim[s])}
                 f = figures(sim[s])
+                for key, unit in (("tokens_per_s", "tok/s"), ("tbt_p50_ms", "ms")):
+                    run.measure(f"PP={pp}, {wl}, {s}: {key} simulated", f[key], unit,
+                                baseline=m[key], baseline_label=f"measured (median of {len(meas)})")  # fmt: skip
+                run.measure(f"PP={pp}, {wl}, {s}: bubble fraction simulated",
+                            100 * f["bubble_fraction"], "%",
+                            baseline=100 * m["bubble_fraction"] if m["bubble_fraction"] is not None else None,
+                            baseline_label="measured")  # fmt: skip
                 lines.append(
                     f"| {pp} | {wl} | {s} | {m['tokens_per_s']:.1f} / {f['tokens_per_s']:.1f} | "
                     f"{m['tbt_p50_ms']:.1f} / {f['tbt_p50_ms']:.1f} | {m['tbt_p99_ms']:.1f} / "
@@ -162,6 +173,7 @@ def machine(out: Path, repeats: int, num_requests: int | None, cached: bool = Fa
                 f"{1e3 * oh['return_s']:.2f} |  |  |  |"
             )
     if reused:
+        run.note(f"machine: reused from {out}, not measured by this run: {', '.join(reused)}")
         lines += ["", f"Reused from {out}, not measured by this run: {', '.join(reused)} "
                   "(delete them or pass another --out to measure again)."]  # fmt: skip
     return [*lines, "", f"({load()} at the end)"]
@@ -178,7 +190,7 @@ def workload_file(out: Path, name: str, total: int, batch: int, pd: int, n: int)
     return f
 
 
-def paper(out: Path) -> list[str]:
+def paper(run: Run, out: Path) -> list[str]:
     lines = ["### The paper's single-GPU setups (analytic model)", "",
              "| model, GPU | seq len | batch | decode tok/s orca / sarathi (x) | "
              "e2e tok/s orca / sarathi (x) | TBT p99 ms orca / sarathi |",
@@ -198,6 +210,11 @@ def paper(out: Path) -> list[str]:
             dec = {s: decode_throughput(d / s) for s in ("orca", "sarathi")}
             e2e = {s: e2e_throughput(d / s, total) for s in ("orca", "sarathi")}
             p99 = {s: runs[s]["requests"]["tbt_s"]["p99"] * 1e3 for s in ("orca", "sarathi")}
+            where = f"{model}, {hw}, {total} tokens, batch {batch}"
+            run.measure(f"{where}: decode tok/s, sarathi", dec["sarathi"], "tok/s",
+                        baseline=dec["orca"], baseline_label="orca", better="higher")  # fmt: skip
+            run.measure(f"{where}: end-to-end tok/s, sarathi", e2e["sarathi"], "tok/s",
+                        baseline=e2e["orca"], baseline_label="orca", better="higher")  # fmt: skip
             lines.append(
                 f"| {model}, {hw} | {total} | {batch} | {dec['orca']:.0f} / {dec['sarathi']:.0f} "
                 f"({dec['sarathi'] / dec['orca']:.2f}x) | {e2e['orca']:.0f} / {e2e['sarathi']:.0f} "
@@ -233,7 +250,7 @@ def e2e_throughput(run: Path, total: int) -> float:
 
 
 # --- GPT-3 --------------------------------------------------------------------------------------
-def gpt3(out: Path, num_requests: int) -> list[str]:
+def gpt3(run: Run, out: Path, num_requests: int) -> list[str]:
     common = ["--model", "configs/models/gpt3-175b", "--hardware", "a100-80gb", "--tp", "8",
               "--workload", "configs/workloads/gpt3-paper.yaml", "--num-requests",
               str(num_requests), "--chunk-size", "256", "--overwrite", "--no-progress"]  # fmt: skip
@@ -254,6 +271,12 @@ def gpt3(out: Path, num_requests: int) -> list[str]:
              " bubble frac |", "|---|---|---|---|---|---|"]  # fmt: skip
     for name, r in runs.items():
         q = r["requests"]
+        where = f"GPT-3 175B, {name}, {num_requests} requests"
+        run.measure(f"{where}: bubble time per request p50", q["bubble_time_s"]["p50"], "s",
+                    better="lower")  # fmt: skip
+        run.measure(f"{where}: generated tokens/s", q["generated_tokens_per_s"], "tok/s",
+                    better="higher")  # fmt: skip
+        run.measure(f"{where}: TBT p99", q["tbt_s"]["p99"] * 1e3, "ms", better="lower")
         lines.append(
             f"| {name} | {q['bubble_time_s']['p50']:.2f} / {q['bubble_time_s']['p90']:.2f} | "
             f"{q['requests_per_s']:.2f} | {q['generated_tokens_per_s']:.0f} | "
@@ -263,13 +286,17 @@ def gpt3(out: Path, num_requests: int) -> list[str]:
     return lines
 
 
-def speed(out: Path) -> list[str]:
+def speed(run: Run, out: Path) -> list[str]:
     before = load()
     t = sh(["simulate", "--model", "configs/models/llama-13b", "--hardware", "a100-80gb",
             "--pp", "8", "--pp-link", "nvlink", "--workload", "configs/workloads/sim-speed.yaml",
             "--schedulers", "sarathi", "--run-dir", str(out / "speed"), "--overwrite",
             "--no-progress"], out / "speed.log")  # fmt: skip
     s = json.loads((out / "speed" / "sarathi" / "summary.json").read_text())
+    run.measure("simulate: 10,000 requests through 8 stages, wall", t, "s", better="lower",
+                headline="simulator: 10,000 requests through 8 stages",
+                detail=f"{s['overall']['num_microbatches']} micro-batches; simulation, "
+                "summary.json, trace and timeline")  # fmt: skip
     return [f"### Speed: 10,000 requests through 8 stages: {t:.1f} s wall "
             f"({s['overall']['num_microbatches']} micro-batches, simulation + summary.json + "
             f"trace + timeline; {before} before, {load()} after)"]  # fmt: skip
@@ -285,18 +312,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--cached", action="store_true", help="machine: only the measured runs already on disk"
     )
+    add_record_flag(p)
     args = p.parse_args(argv)
+    run = Run("simulate_checks", argv, enabled=not args.no_record)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parts = {
-        "speed": lambda: speed(out),
-        "paper": lambda: paper(out),
-        "gpt3": lambda: gpt3(out, args.gpt3_requests),
-        "machine": lambda: machine(out, args.repeats, args.num_requests, args.cached),
+        "speed": lambda: speed(run, out),
+        "paper": lambda: paper(run, out),
+        "gpt3": lambda: gpt3(run, out, args.gpt3_requests),
+        "machine": lambda: machine(run, out, args.repeats, args.num_requests, args.cached),
     }
     for name in args.parts.split(","):
         lines = parts[name]()
         print("\n".join(lines) + "\n", flush=True)
+    run.settings.update(parts=args.parts, repeats=args.repeats, num_requests=args.num_requests,
+                        gpt3_requests=args.gpt3_requests)  # fmt: skip
+    run.note("paper, gpt3: simulated GPUs (the analytic cost model), not measurements; "
+             "machine: simulated against measured on this machine, ratio = simulated / "
+             "measured; speed: the simulator's own wall time here.")  # fmt: skip
+    run.write()
     return 0
 
 

@@ -37,6 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from results import Run, add_record_flag, cores_note  # noqa: E402
+
 from sarathi_pp import LLM, LLMEngine, SamplingParams, load_config  # noqa: E402
 from sarathi_pp.cli.common import parse_set_items  # noqa: E402
 from sarathi_pp.config import SchedulerConfig  # noqa: E402
@@ -68,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="150 requests: the CI version")
+    add_record_flag(p)
     args = p.parse_args(argv)
     if args.quick:
         args.requests = min(args.requests, 150)
@@ -188,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     from sarathi_pp.stages.loader.builtin import build_tiny_llama_dir
 
     args = parse_args(argv)
+    run = Run("soak", argv, quick=args.quick, enabled=not args.no_record)
     w = Workload(args)
     with tempfile.TemporaryDirectory() as tmp:
         layers = {**SMALL_LLAMA, "num_hidden_layers": max(2, args.pp)}  # a layer per stage
@@ -245,6 +249,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(r == 'abort' for r in reasons.values())} aborted")  # fmt: skip
     for what, ok in checks:
         print(f"  {'ok  ' if ok else 'FAIL'} {what}")
+        run.check(what, ok)
+    where = f"{len(w.prompts)} requests at {args.rate:g}/s, PP={args.pp}{settings}"
+    run.settings.update(scheduler=args.scheduler, num_kv_blocks=args.num_kv_blocks,
+                        kill_stages=args.kill_stages, seed=args.seed)  # fmt: skip
+    run.measure(f"wall, {where}", wall, "s", better="lower")
+    run.measure(f"preemptions, {where}", preemptions, "", detail=f"{args.num_kv_blocks} KV blocks")
+    if len(rss) > 2:
+        run.measure(f"RSS growth, {where}", 100 * growth, "%", better="lower",
+                    detail="first fifth of the run to its end")  # fmt: skip
+    run.measure("schedule() with 10k waiting, p50", p50, "ms", better="lower")
+    run.measure("schedule() with 10k waiting, p99", p99, "ms", better="lower")
+    run.note(cores_note(args.pp) if args.pp > 1 else None)
+    run.write()
     return 0 if all(ok for _, ok in checks) else 1
 
 

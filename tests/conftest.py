@@ -7,6 +7,7 @@ fixtures below are shorthands. ``any_model_dir`` runs a test once per variant.
 
 from __future__ import annotations
 
+import os
 import signal
 import warnings
 from collections.abc import Callable
@@ -15,6 +16,10 @@ from pathlib import Path
 import pytest
 from helpers import VARIANTS, build_variant
 from sim_runs import write_model_dir
+
+# The benchmark scripts some tests run append nothing to benchmarks/results.jsonl (it holds
+# real runs only); tests/unit/test_results_file.py lifts this for a temp results file.
+os.environ["SARATHI_PP_NO_RECORD"] = "1"
 
 
 @pytest.fixture(scope="session")
