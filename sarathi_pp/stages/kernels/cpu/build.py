@@ -17,7 +17,8 @@ torch's runtime is libgomp a kernel is built with ``-fopenmp``: its ``libgomp.so
 torch loaded (the same soname), and its parallel regions run on torch's own threads, faster
 still (the figures: the lab notebook's "Figures moved out of the code",
 Note [the kernels' threads]). Where that does not hold (another OpenMP runtime, no ``/proc``, a
-compiler without OpenMP) a kernel has a build without OpenMP or is not used. """
+compiler without OpenMP) a kernel has a build without OpenMP or is not used.
+"""
 
 from __future__ import annotations
 
