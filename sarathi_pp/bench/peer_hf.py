@@ -16,7 +16,8 @@ Note [clocks]: transformers stamps tokens (``record_timestamps=True``), lifespan
 creation times with ``time.perf_counter()``. The outputs use ``time.monotonic()`` like our
 engine's ``RequestMetrics``; a perf_counter time ``t`` becomes ``t + offset``, with the
 offset read once, bracketed by two ``monotonic()`` reads (on Linux both clocks are
-CLOCK_MONOTONIC: the offset is ~0 and its error ~1 us).
+CLOCK_MONOTONIC: the offset is about 0, and its error at most half the time between the two
+reads, far below ``CLOCK_TOLERANCE_S``).
 
 Note [EOS]: ``eos_token_id=-1`` is transformers' "no EOS" (``None`` falls back to the model
 config's EOS), so each request generates exactly ``output_tokens`` tokens, as our engine

@@ -15,16 +15,16 @@ its own micro-batch says before it takes the payload (hidden ``[num_tokens, hidd
 Note [receive ahead]: a gloo send completes only once the receiver has posted a matching
 receive (gloo's TCP pair exchanges a "ready to receive" notice first), so a receive posted
 when the stage gets to it costs a round trip per message through the sender's transport
-thread, on a sender that is busy computing its next micro-batch by then. Measured on 2
-cores (PP=2, tiny-llama, M=3), stage 1 started a micro-batch 4.2 ms (p50; p90 9.7 ms)
-after it was free although stage 0 had sent it 16 ms earlier. So on gloo the receiver
-keeps the next micro-batch's receive posted while it computes: into a buffer of
-``capacity`` bytes, which gloo fills with any message up to that size (a larger one would
-abort the process: ``op.preamble.length <= op.nbytes``). Both ends compute the same
-capacity from the same messages: ``INITIAL_CAPACITY``, then the largest message so far
-(``_grown``); a payload the receiver's buffer cannot hold goes as a second, exact-size
-message. The hidden states handed to the stage are a view into that buffer. Whatever
-arrives is taken whole, so a mismatched header leaves the channel aligned.
+thread, on a sender that is busy computing its next micro-batch by then: stage 1 started a
+micro-batch well after it was free although stage 0 had sent it long before (the figures: the
+lab notebook's "Figures moved out of the code", Note [receive ahead]). So on gloo the receiver
+keeps the next micro-batch's receive posted while it computes: into a buffer of ``capacity``
+bytes, which gloo fills with any message up to that size (a larger one would abort the
+process: ``op.preamble.length <= op.nbytes``). Both ends compute the same capacity from the
+same messages: ``INITIAL_CAPACITY``, then the largest message so far (``_grown``); a payload
+the receiver's buffer cannot hold goes as a second, exact-size message. The hidden states
+handed to the stage are a view into that buffer. Whatever arrives is taken whole, so a
+mismatched header leaves the channel aligned.
 
 Note [send completion]: sends are ``dist.isend``; the stage goes on computing while they
 drain. A send's tensors must stay alive until it completes, so each one is kept with its

@@ -8,9 +8,11 @@ interrupted: the engine then abandons the micro-batches in flight and recomputes
 sequences (``Scheduler.on_microbatches_lost``), so no state is left half-updated.
 
 Only in the main thread (Python delivers signals there) and only when SIGINT has Python's
-default handler (a program with its own handler keeps it). Two handler swaps per block,
-through ``_signal`` (the C module under ``signal``, whose wrappers turn every handler into
-an enum and back: 5 us a block, which a simulated run of 600,000 steps would feel).
+default handler (a program with its own handler keeps it). Note [handler swaps]: two handler
+swaps per block, through ``_signal`` (the C module under ``signal``, whose wrappers turn
+every handler into an enum and back: a cost per block that a simulated run of hundreds of
+thousands of steps would feel; the figure: the lab notebook's "Figures moved out of the
+code", Note [handler swaps]).
 """
 
 from __future__ import annotations

@@ -13,20 +13,20 @@ input tokens the last stage is still sampling; stage 0 takes them from the last 
 a gloo group of their own (``comm/ring.py``) while the driver applies the same tokens. A
 micro-batch resubmitted after an isolation gets them from the driver instead.
 
-Note [packed micro-batches]: the driver pickles a micro-batch once and hands the same bytes
-to every stage's ``run_packed``, which answers with its result pickled. Ray serializes an
-argument per call, and its own path for a dataclass (msgpack, pickle5, a look for object
-refs inside) costs more than the bytes: a 21-sequence hybrid micro-batch (3.7 KB) took
-288 us per ``.remote()`` against 104 us for the same bytes plus 41 us to pickle them once,
-and a round trip with its result 1.24 ms against 1.00 ms (idle 2-core machine). With P
-stages the driver's submission is one pickle plus P cheap calls, not P serializations.
-Pickle rather than torchrun's plain-data codec (``comm/codec.py``): Ray pickles every
-argument anyway, and the codec's per-field checks took 123 us to encode and 262 us to decode
-the same micro-batch.
+Note [packed micro-batches]: the driver pickles a micro-batch once and hands the same bytes to
+every stage's ``run_packed``, which answers with its result pickled. Ray serializes an argument
+per call, and its own path for a dataclass (msgpack, pickle5, a look for object refs inside)
+costs more than the bytes: for a hybrid micro-batch of a few KB a ``.remote()`` with the
+dataclass took about twice as long as one with the same bytes plus pickling them once, and a
+round trip with its result was slower too. With P stages the driver's submission is one pickle
+plus P cheap calls, not P serializations. Pickle rather than torchrun's plain-data codec
+(``comm/codec.py``): Ray pickles every argument anyway, and the codec's per-field checks cost
+more than pickling the same micro-batch.
 
 (Passing the last stage's result refs to stage 0's task as arguments, so that Ray's core
-worker forwards them, was tried first: about 4.5 ms from the last stage to stage 0 on a
-2-core machine, two Ray hops, against about 5.5 ms through the driver's Python.)
+worker forwards them, was tried first: two Ray hops from the last stage to stage 0, only a
+little faster than going through the driver's Python. The figures: the lab notebook's
+"Figures moved out of the code", Note [packed micro-batches].)
 """
 
 from __future__ import annotations

@@ -131,11 +131,12 @@ class RayCompiledExecutor(RayExecutor):
         return result
 
     def _poll_until_ready(self, ref: Any, deadline: float) -> None:
-        """Wait for ``ref``'s result without Ray's busy-wait: a blocking ``get`` spins on
-        the output channel (39% of a core for the driver in a PP=2 run here, taken from the
-        stages on a machine with no core to spare). Poll with a zero timeout instead and
-        sleep between polls, 50 us doubling to at most 500 us (what it adds to the token
-        return). Falls back to the blocking ``get`` where Ray's internals differ."""
+        """Wait for ``ref``'s result without Ray's busy-wait: a blocking ``get`` spins on the
+        output channel (Note [polling the compiled graph]: a large share of a core for the
+        driver in a PP=2 run, taken from the stages on a machine with no core to spare; the
+        figure: the lab notebook's "Figures moved out of the code"). Poll with a zero timeout
+        instead and sleep between polls, 50 us doubling to at most 500 us (what it adds to the
+        token return). Falls back to the blocking ``get`` where Ray's internals differ."""
         from ray.exceptions import RayChannelTimeoutError
 
         dag = self._dag

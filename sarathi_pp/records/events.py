@@ -31,8 +31,9 @@ Schema version 3 (``SCHEMA_VERSION``; a version 1 or 2 log, which lacks what is 
             ``full`` (true: the in-flight limit in force, ``num_decode_microbatches_in_flight``
             while only decodes run, held back a micro-batch the scheduler had work for;
             false: the scheduler had nothing to issue, every sequence that could
-            run being in flight or no KV block free, the limit reached or not; before
-            2026-12-03 true whenever the limit was reached). See ``report/runtime_split.py``.
+            run being in flight or no KV block free, the limit reached or not; in logs
+            written before commit dd5583a, true whenever the limit was reached:
+            Note [done.full]). See ``report/runtime_split.py``.
 ``chunk_size`` the token budget in force from ``t`` on (``t``, ``chunk_size``): written
             by the engine before the first micro-batch of a scheduler that chunks
             (sarathi, simple_chunking) and again whenever the budget changes

@@ -19,28 +19,21 @@ Only the packed weight is kept (no second copy).
 
 Why (see Note [small-row matmuls on CPU]): decode-only steps multiply few rows
 (``[num_decodes, hidden]``) by every weight. ``F.linear``'s MKL path handles few rows poorly
-on this class of CPU (AMD), oneDNN prepacked is 2-8x faster from 4 to 64 rows; the panel
-kernel is 1.1-1.3x faster than oneDNN again from 1 to 64 rows with the weights coming from
+on this class of CPU (AMD), and oneDNN prepacked is several times faster from 4 to 64 rows;
+the panel kernel is faster than oneDNN again from 1 to 64 rows with the weights coming from
 memory (as in a step), and on par or faster at 128 to 2048 rows (prefill chunks, whole
 prompts), on an AVX2 EPYC; on an AVX-512 one, see Note [the AVX-512 panel kernel].
 
-Note [small-row matmuls on CPU]: tiny-llama's gate/up weight (5632 x 1024, float32) on a
-2-core AMD EPYC VM, torch 2.13, best of 12: 1 thread, ms for 1 / 8 / 32 / 256 rows: MKL
-2.1 / 8.4 / 12.7 / 58.7, oneDNN prepacked 2.6 / 4.3 / 8.2 / 48.0; 2 threads (busy machine,
-load ~3): MKL 2.0 / 23.2 / 31.9 / 70.8, oneDNN 4.8 / 2.9 / 9.6 / 48.1. The batch-size hint
-of the reorder changed little; none is given. Panel kernel vs oneDNN, 2 threads, a quieter
-machine (load ~1.5), the same weight called again and again (so the small ones stay in the
-32 MB L3: this flatters the panel kernel at few rows), ms for 1 / 4 / 16 / 32 / 64 / 256 / 1024 rows: gate/up 0.75 / 0.99 /
-2.05 / 2.87 / 5.03 / 21.6 / 82.5 vs 0.90 / 1.40 / 2.58 / 3.92 / 6.06 / 22.9 / 111.5; down
-(1024 x 2816) 0.16 / 0.20 / 0.78 / 1.23 / 2.61 / 10.9 / 37.3 vs 0.27 / 0.31 / 1.17 / 1.75 /
-2.92 / 11.8 / 40.6 (gate/up at 32 rows: 129 GFLOP/s, the machine's matmul rate). With the
-kinds interleaved (``benchmarks/linear_rows.py``: each call finds its weight evicted), gate/up
-at 1 / 4 / 16 / 32 / 64 / 256 rows: 1.56 / 1.79 / 3.20 / 4.14 / 7.25 / 23.0 vs 1.90 / 2.36 /
-3.57 / 4.47 / 7.56 / 23.3; at 1 thread 2.11 / 2.48 / 5.18 / 6.84 / 13.0 / 37.9 vs 2.26 / 3.27
-/ 5.94 / 8.11 / 13.8 / 42.7 (MKL's gemv is faster at 1 row on one thread: 1.82). Prefetching
-the panel 2 KB ahead gained 5-13% at 4-32 rows.
+Note [small-row matmuls on CPU]: on a 2-core AMD EPYC VM, MKL falls far behind oneDNN prepacked
+from a few rows on, the more so on 2 threads; the batch-size hint of oneDNN's reorder changed
+little, so none is given. The panel kernel beats oneDNN at every row count from 1 to 1024 with
+the same weight called again and again (the small ones then stay in L3, which flatters the panel
+kernel at few rows) and still from 1 to 64 rows with the kinds interleaved so that each call
+finds its weight evicted (``benchmarks/linear_rows.py``), on 1 thread as on 2 (though at 1 row
+on one thread MKL's gemv is faster still). Prefetching the panel 2 KB ahead helped at 4-32 rows.
+The figures: the lab notebook's "Figures moved out of the code", Note [small-row matmuls on CPU].
 
-The panel kernel itself, its micro-kernels and their measurements: ``kernels/cpu/panel_gemm.py``.
+The panel kernel itself and its micro-kernels: ``kernels/cpu/panel_gemm.py``.
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ def _lm_head(w: dict[str, torch.Tensor], is_first: bool, is_last: bool) -> Linea
 
     Note [packed lm_head]: decode steps sample every row, so lm_head multiplies few rows by
     the largest weight of a small model (SmolLM2-135M: 49152 x 576, a fifth of its
-    parameters). Through ``F.linear`` (MKL) on a 2-core AVX-512 EPYC, 2 threads, the weight
-    evicted between calls: 13.6 / 23.2 / 26.9 / 34.3 ms at 1 / 4 / 16 / 32 rows; prepacked
-    for oneDNN 5.9 / 6.0 / 7.0 / 11.4 ms (2.3-3.9x); a 32000 x 1024 head 1.7-4.8x. With
+    parameters). With the weight evicted between calls, as in a step, prepacked for oneDNN it
+    takes a fraction of ``F.linear``'s (MKL) time at 1 to 32 rows, for a larger head too (the
+    figures: the lab notebook's "Figures moved out of the code", Note [packed lm_head]). With
     tied weights the last stage of a pipeline holds the embedding only as lm_head, so packing
     it there costs no memory; a single stage keeps ``F.linear`` (a packed copy would add the
     whole embedding to M_S, which the planner's ``stage_params`` does not count)."""

@@ -11,12 +11,13 @@ ctypes: no torch headers, no build step at install time.
 
 Note [the kernels' threads]: torch's CPU ops run on an OpenMP pool (libgomp in Linux wheels)
 whose threads spin for a while after each op. Threads of our own (pthreads) then compete with
-them for the cores: inside a decode step of 32 x 1k on 2 cores (``benchmarks/piggyback.py``)
-the attention kernel took 93 ms over 8 layers with its own pthreads, against 55 ms with
-``OMP_WAIT_POLICY=PASSIVE``. So where torch's runtime is libgomp a kernel is built with
-``-fopenmp``: its ``libgomp.so.1`` is the one torch loaded (the same soname), and its parallel
-regions run on torch's own threads (46 ms). Where that does not hold (another OpenMP runtime,
-no ``/proc``, a compiler without OpenMP) a kernel has a build without OpenMP or is not used.
+them for the cores: inside a decode step on 2 cores (``benchmarks/piggyback.py``) the attention
+kernel on pthreads of its own was far slower than with ``OMP_WAIT_POLICY=PASSIVE``. So where
+torch's runtime is libgomp a kernel is built with ``-fopenmp``: its ``libgomp.so.1`` is the one
+torch loaded (the same soname), and its parallel regions run on torch's own threads, faster
+still (the figures: the lab notebook's "Figures moved out of the code",
+Note [the kernels' threads]). Where that does not hold (another OpenMP runtime, no ``/proc``, a
+compiler without OpenMP) a kernel has a build without OpenMP or is not used.
 """
 
 from __future__ import annotations

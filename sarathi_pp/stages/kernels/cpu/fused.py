@@ -5,8 +5,8 @@ Why (see Note [small ops of a decode step]): as torch ops, a Llama layer's eleme
 is ~30 small ops (RMSNorm alone is pow, mean, add, rsqrt, mul, mul; rotary is two slices, a
 neg, a cat, two muls and an add, for q and for k), each a dispatch, an allocation and, on
 tensors above torch's grain size, a fork-join over its OpenMP threads. On the rows of a decode
-step that overhead is the cost: 12-15 ms of a 124-129 ms step of 32 decodes (8 layers, 2
-threads). Here each is one C call over the rows.
+step that overhead is a sizeable share of a decode-only step. Here each is one C call over
+the rows.
 
 The arithmetic is HF's (``transformers``' ``LlamaRMSNorm``, ``apply_rotary_pos_emb``,
 ``silu``): RMSNorm as ``w * (x * rsqrt(mean(x^2) + eps))`` in float32, rotary as ``x * cos +
@@ -19,10 +19,11 @@ libgomp; elsewhere one thread: these loops are short). Where nothing builds, or
 ``SARATHI_PP_CPU_FUSED=0``, ``load_fused`` returns None and the model keeps torch's ops.
 
 Note [small ops of a decode step]: ``torch.profiler`` over a decode step of 32 x 1k
-(``benchmarks/piggyback.py``'s micro-batch, the embedded model, 2 threads) shows ~300 aten ops
-taking ~12 ms: mul 76 calls, add 51, pow/sum/div/rsqrt 17 each (RMSNorm), cat/neg 16-18
-(rotary), silu 8 at ~116 us each, plus views, slices and copies. The linears (``panel_gemm``)
-and attention (``paged_attention``) are ctypes calls and not among them.
+(``benchmarks/piggyback.py``'s micro-batch, the embedded model) shows a few hundred aten
+ops, most of them mul and add, then RMSNorm's pow/sum/div/rsqrt, rotary's cat/neg and SiLU,
+plus views, slices and copies. The linears (``panel_gemm``) and attention
+(``paged_attention``) are ctypes calls and not among them. (The figures: the lab notebook's
+"Figures moved out of the code", Note [small ops of a decode step].)
 """
 
 from __future__ import annotations

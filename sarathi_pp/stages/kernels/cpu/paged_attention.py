@@ -10,8 +10,8 @@ block, the scores of every head over the block's keys, an online softmax (a runn
 and sum per head, the partial output rescaled when the maximum grows, as flash-decoding
 does), and the block's V weighted into the output; the next block is prefetched meanwhile.
 With fewer sequences than threads, each sequence's blocks are cut into ranges, one per work
-item, whose partial outputs are merged by their maxima and sums (flash-decoding's split):
-one decode at 8 k context, one layer, 2 threads: 2.6-3.3 ms -> 1.95-2.0 ms.
+item, whose partial outputs are merged by their maxima and sums (flash-decoding's split), so
+a lone long decode keeps every thread busy.
 
 Built and loaded by ``build.build`` (the system ``cc`` on first use, cached; on
 torch's OpenMP threads where torch runs on libgomp, see Note [the kernels' threads] there,
@@ -21,40 +21,37 @@ FMA the scores of 8 keys are computed at once; elsewhere the compiler vectorises
 loops. Where nothing builds, or ``SARATHI_PP_CPU_KERNEL=0``, ``load_kernel`` returns None
 and attention keeps the portable gather + SDPA path.
 
-Note [paged decode on CPU]: 32 decodes x 1k context, one layer of the embedded model (16
-heads, 4 KV heads, head_dim 64; 67 MB of K/V), 2 threads, a shared 2-core EPYC: gather + SDPA
-46-56 ms; gather in groups of 4 sequences (kept in cache) + SDPA ~20 ms; the first kernel
-(two passes: every score, an exact softmax, then V head by head; one horizontal sum per
-(key, head)) 8.5-10.5 ms; scores 8 keys at once 8.4-9.6; V block by block for all heads
-8.8-9.1; the next block's prefetch spread over the heads 8.1-8.2; one pass with the online
-softmax 5.0-6.2 ms. A loop that only reads the same blocks (no arithmetic) takes 3.4-3.9 ms:
-the kernel is within 1.3-1.6x of reading the cache once. Prefetching 2 or 4 blocks ahead
-instead of 1 did not help. On an AVX-512 EPYC (2026-12-01, 8 layers' blocks per call,
-interleaved in one process), the next block prefetched into L2 instead of L1: 1.28-1.38x
-(16 x 600: 18.5 -> 13.4 ms, 32 x 1k: 42.7 -> 33.4, 4 x 600: 3.15 -> 2.31, 1 x 4k: 5.56 ->
-4.27 ms); into L1 the prefetch evicted the block being worked on (its K and V fill L1 by
-themselves), non-temporal did nothing, 2 blocks ahead no better than 1. Then each block's V
-weighed for up to 4 query heads of one KV head at once (each V row loaded once for them, not
-once per head; `weigh_v`): 1.12-1.16x at 16 x 600 and 4 x 600, 1.00-1.01x at 32 x 1k (the
-same comparison, 41 runs each, two runs).
-With AVX-512 (head_dim a multiple of 64; ``block16``, 2026-12-02) a block is taken 16 keys at
-a time per KV head: each query head's 16 scores in one register (``dot16``: the keys' partial
-sums reduced across lanes together, then a permute), the online softmax on that register
-(one max, one exp, one sum per head and 16 keys where the loop above did them key by key),
-then V for up to 4 heads at once in 16 zmm accumulators. K is read for all heads before V, as
-above: weighing V per KV head right after its scores (K and V stripes alternating) was
-slower from memory than the kernel above (9.5 vs 8.7 ms at 16 x 600, 32.1 vs 28.7 at 32 x 1k,
-in the setting below). 8 layers' caches cycled, the same AVX-512 EPYC, 2 threads, ms for
-the 8 layers: from memory (the caches 2-8x L3) 16 x 600: 8.31 -> 8.03, 32 x 1k: 27.2 -> 26.8,
-4 x 600: 1.65 -> 1.45 (a loop that only reads the same blocks: 7.0 / 23.6 / 1.18 ms: both
-kernels are near it); blocks in cache (every table pointing at 4 blocks): 5.48 -> 4.08 and
-17.0 -> 11.1 (1.34x, 1.53x). Where memory is the limit (this 2-core VM) it changes little;
-with more bandwidth per core it is the arithmetic that counts.
+Note [paged decode on CPU]: the kernel took its shape step by step, each step measured on 32
+decodes x 1k context, one layer of the embedded model (16 heads, 4 KV heads, head_dim 64), 2
+threads: gather + SDPA; gathering in groups of 4 sequences (kept in cache) + SDPA, less than
+half of that; the first kernel (two passes: every score, an exact softmax, then V head by head;
+one horizontal sum per (key, head)), less than half again; scores 8 keys at once, V block by
+block for all heads and the next block's prefetch spread over the heads, a little each at most;
+one pass with the online softmax, a large step again. A loop that only reads the same blocks (no
+arithmetic) is not much faster: the kernel comes close to reading the cache once. Prefetching 2
+or 4 blocks ahead instead of 1 did not help. On an AVX-512 EPYC (8 layers' blocks per call,
+interleaved in one process), the next block prefetched into L2 instead of L1 was a good deal
+faster at every shape; into L1 the prefetch evicted the block being worked on (its K and V fill
+L1 by themselves), non-temporal did nothing, 2 blocks ahead no better than 1. Then each block's
+V weighed for up to 4 query heads of one KV head at once (each V row loaded once for them, not
+once per head; `weigh_v`): faster at 16 x 600 and 4 x 600, on par at 32 x 1k.
+
+With AVX-512 (head_dim a multiple of 64; ``block16``) a block is taken 16 keys at a time per KV
+head: each query head's 16 scores in one register (``dot16``: the keys' partial sums reduced
+across lanes together, then a permute), the online softmax on that register (one max, one exp,
+one sum per head and 16 keys where the loop above did them key by key), then V for up to 4 heads
+at once in 16 zmm accumulators. K is read for all heads before V, as above: weighing V per KV
+head right after its scores (K and V stripes alternating) was slower from memory than the kernel
+above. With 8 layers' caches cycled from memory (the caches larger than L3) it is a little
+faster than the 8-keys kernel, both near a loop that only reads the same blocks; with the blocks
+in cache it is much faster. Where memory is the limit (a 2-core VM) it changes little; with more
+bandwidth per core it is the arithmetic that counts. (The figures: the lab notebook's "Figures
+moved out of the code", Note [paged decode on CPU].)
 
 Note [paged prefill on CPU]: a prefill chunk's attention (``paged_prefill_f32``; AVX-512 or
 AVX2 + FMA builds) was gather + SDPA: the chunk's context copied out of the cache, then SDPA's
-fused CPU kernel with a boolean causal mask, 50-80 GFLOP/s on this 2-core EPYC (counting the
-causal half: 4 x n x (start + n / 2) x heads x head_dim). It is a GEMM-shaped problem
+fused CPU kernel with a boolean causal mask, well below the machine's matmul rate (counting
+the causal half: 4 x n x (start + n / 2) x heads x head_dim). It is a GEMM-shaped problem
 (scores Q K^T, then P V, head_dim 64 deep), so the kernel is the panel GEMM's micro-kernel
 turned to it: a tile is 16 query rows of one KV head (row i = token i / G, query head i % G
 of the G sharing the KV head, so GQA reads each key once for all G), on the 16 lanes of a
@@ -65,14 +62,12 @@ cache against Q's packed column), the causal mask as lane masks where a key pass
 position, an online softmax in registers (the maximum and sum per lane, exp on 16 lanes with
 ``exp_f``'s polynomial), and the output, transposed in L1, rescaled and updated by 16
 broadcast V rows. Tiles go to threads longest first (the chunk's last rows see the most
-keys). Against gather + SDPA in one process, 16 heads, 4 KV heads, head_dim 64, shuffled
-blocks of 16, 2 threads (2026-12-02): 256 rows at start 0 / 256 / 512 / 768: 2.54 / 5.45 /
-9.63 / 12.25 ms -> 1.03 / 2.95 / 4.62 / 6.51 ms (130-145 GFLOP/s, 1.85-2.47x); 128 rows at
-1024: 1.95x; block sizes 1 and 5 (copied out): 1.54-1.58x. The AVX2 build on the same CPU
-(``-mno-avx512f``, another run): 73-87 GFLOP/s against AVX-512's 102-133 and SDPA's 40-70.
-In ``benchmarks/vs_hf.py`` the chunks' attention went from 3.87 s to 1.93 s of the run. Used
-as a decode (one row per KV head and 12 padding lanes) it is 1.4-2x slower than the decode
-kernel: decodes keep theirs.
+keys). Against gather + SDPA it is about twice as fast at every start of a 256-row chunk, still
+well ahead with block sizes that are no multiple of 16 (copied out), and the AVX2 build sits
+between SDPA and the AVX-512 build; in ``benchmarks/vs_hf.py`` it halved the chunks' attention
+time. Used as a decode (one row per KV head and 12 padding lanes) it is slower than the decode
+kernel: decodes keep theirs. (The figures: the lab notebook's "Figures moved out of the code",
+Note [paged prefill on CPU].)
 """
 
 from __future__ import annotations
