@@ -50,6 +50,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model folder's ``generation_config.json`` sampling
+        defaults (vLLM's): what ``generate`` and ``chat`` use without ``sampling_params``."""
+        return self.engine.default_sampling_params()
+
     def generate(
         self,
         prompts: Prompt | list[Prompt],
@@ -133,8 +138,8 @@ class LLM:
         return request_id
 
     def _params_per_prompt(self, sp, n: int) -> list[SamplingParams]:
-        if sp is None:
-            return [SamplingParams()] * n
+        if sp is None:  # vLLM's: with the model folder's generation_config.json defaults
+            return [self.engine.default_sampling_params()] * n
         if isinstance(sp, SamplingParams):
             return [sp] * n
         if not isinstance(sp, (list, tuple)):  # a dict would be read as its keys

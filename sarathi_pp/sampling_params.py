@@ -29,8 +29,8 @@ class SamplingParams:
     """How to pick tokens and when to stop, per request.
 
     Defaults follow vLLM: ``temperature=1.0``, ``top_p=1.0``, ``top_k=0`` (off; ``-1`` is
-    accepted as "off" too), ``min_p=0.0`` (off), ``max_tokens=16``. ``temperature=0`` means
-    greedy. The penalties are vLLM's (and OpenAI's): ``presence_penalty`` and
+    accepted as "off" too), ``min_p=0.0`` (off), ``max_tokens=16`` (``None``: the rest of the context,
+    ``max_model_len`` less the prompt). ``temperature=0`` means greedy. The penalties are vLLM's (and OpenAI's): ``presence_penalty`` and
     ``frequency_penalty`` (-2 to 2) lower the logits of tokens already generated, once or
     per occurrence; ``repetition_penalty`` (> 0, 1 = off) divides the positive logits of
     every token of the prompt and the output (multiplies the negative), as Hugging Face's.
@@ -54,7 +54,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to max_model_len
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -89,9 +89,9 @@ class SamplingParams:
         # Normalise so the value stays hashable and immutable, with plain Python types
         # (numpy scalars would otherwise travel to the stages and into the outputs).
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        for name in ("n", "top_k", "max_tokens", "min_tokens"):
+        for name in ("n", "top_k", "min_tokens"):
             set_(name, _as_int(name, getattr(self, name)))
-        for name in ("seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
             value = getattr(self, name)
             set_(name, None if value is None else _as_int(name, value, "an integer or None"))
         for name in (
@@ -153,11 +153,14 @@ class SamplingParams:
             raise SamplingParamsError("use_beam_search", "beam search is not supported")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise SamplingParamsError("seed", f"seed must be a 64-bit integer, got {self.seed}")
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise SamplingParamsError(
-                "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+                "max_tokens",
+                f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}",
             )
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if self.min_tokens < 0 or (
+            self.max_tokens is not None and self.min_tokens > self.max_tokens
+        ):
             raise SamplingParamsError(
                 "min_tokens",
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",

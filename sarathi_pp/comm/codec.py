@@ -203,7 +203,7 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "top_p": FLOAT,
             "top_k": INT,
             "seed": _optional(INT),
-            "max_tokens": INT,
+            "max_tokens": _optional(INT),
             "stop": STRS,
             "stop_token_ids": INTS,
             "ignore_eos": BOOL,

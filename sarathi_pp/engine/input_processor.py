@@ -193,8 +193,9 @@ class InputProcessor:
         params = self.with_bad_words(params, where)
         self.check_params(params, where)
         max_len = self.checkpoint.max_model_len
-        if request.max_tokens_must_fit and len(token_ids) + params.max_tokens > max_len:
-            n, k = len(token_ids), params.max_tokens
+        k = params.max_tokens
+        if request.max_tokens_must_fit and k is not None and len(token_ids) + k > max_len:
+            n = len(token_ids)
             raise InputError(
                 f"This model's maximum context length is {max_len} tokens. However, you "
                 f"requested {n + k} tokens ({n} in the {where}, {k} in the completion): "

@@ -66,7 +66,8 @@ class OutputProcessor:
             return SequenceStatus.FINISHED_STOPPED, None
         if p.stop and (hit := self._stop_string(seq, state)) is not None:
             return SequenceStatus.FINISHED_STOPPED, hit
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        at_max = p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens
+        if at_max or seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH, None
         return None
 

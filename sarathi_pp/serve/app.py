@@ -91,6 +91,8 @@ class _Routes:
         self.engine_loop = engine_loop
         self.model = served_model_name
         self.created = int(time.time())
+        # the model folder's generation_config.json sampling defaults (read once)
+        self.defaults = engine_loop.engine.default_sampling
 
     # --- plain routes --------------------------------------------------------------------
     async def models(self) -> dict[str, Any]:
@@ -171,7 +173,7 @@ class _Routes:
 
     # --- generation ----------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        req = p.completion_request(await _json_body(request))
+        req = p.completion_request(await _json_body(request), self.defaults)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         many = len(req.prompts) > 1
         must_fit = req.max_tokens is not None  # an explicit max_tokens must fit the context
@@ -202,7 +204,7 @@ class _Routes:
         return await self._generate(request, req, request_id, answer, add, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
-        req = p.chat_request(await _json_body(request))
+        req = p.chat_request(await _json_body(request), self.defaults)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         chat = RequestInput(
             request_id, req.params, messages=req.messages, where="'messages'",

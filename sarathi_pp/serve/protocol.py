@@ -16,7 +16,10 @@ from typing import Any
 from sarathi_pp.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from sarathi_pp.sampling_params import MAX_LOGPROBS, SamplingParams
 
-DEFAULT_MAX_TOKENS = 16
+# ``max_tokens`` when a request leaves it out, per endpoint, as vLLM's (v0.10.1
+# ``CompletionRequest.max_tokens = 16``; ``ChatCompletionRequest.max_tokens = None``, which
+# vLLM turns into the rest of the context): ``None`` runs to ``max_model_len``.
+DEFAULT_MAX_TOKENS: dict[str, int | None] = {"completions": 16, "chat": None}
 
 # Parameters the engine lacks: accepted when missing, null or at their default (the
 # predicate), refused with a 400 otherwise.
@@ -143,7 +146,7 @@ class GenerateRequest:
     include_usage: bool
     prompts: tuple[Prompt, ...] = ()
     messages: list[dict[str, Any]] | None = None
-    max_tokens: int | None = None  # as given (None: the default, 16)
+    max_tokens: int | None = None  # as given (None: the endpoint's default)
     echo: bool = False  # completions: each choice's text starts with its prompt
     echo_only: bool = False  # and ``max_tokens: 0``: it is only its prompt (vLLM's)
 
@@ -209,11 +212,17 @@ def sampling_params(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     echo: bool | None = None,
+    defaults: dict[str, Any] | None = None,
+    default_max_tokens: int | None = None,
 ) -> SamplingParams:
     """``echo``: completions' ``echo`` (``None``: the endpoint has none), with which
     ``max_tokens`` may be 0 (the prompt alone comes back, as vLLM: one token is generated
-    and dropped)."""
-    max_tokens = DEFAULT_MAX_TOKENS
+    and dropped). ``defaults``: the model folder's sampling defaults
+    (``LLMEngine.default_sampling``), for the fields the request leaves out;
+    ``default_max_tokens``: the endpoint's (``DEFAULT_MAX_TOKENS``)."""
+    d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+    d.update(defaults or {})
+    max_tokens = default_max_tokens
     for key in max_tokens_keys:  # the first one given wins
         if body.get(key) is not None:
             max_tokens = _get(body, key, "int")
@@ -223,7 +232,7 @@ def sampling_params(
                 least = "1" if echo is None else "0 with 'echo', else 1"
                 raise bad_request(f"'{key}' must be >= {least}, got {max_tokens}", key)
             break
-    top_k = _get(body, "top_k", "int", 0)
+    top_k = _get(body, "top_k", "int", d["top_k"])
     n = _get(body, "n", "int", 1)
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"'n' must be in [1, {MAX_CHOICES}], got {n}", "n")
@@ -233,14 +242,16 @@ def sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             max_tokens=max_tokens,
-            temperature=float(_get(body, "temperature", "number", 1.0)),
-            top_p=float(_get(body, "top_p", "number", 1.0)),
+            temperature=float(_get(body, "temperature", "number", d["temperature"])),
+            top_p=float(_get(body, "top_p", "number", d["top_p"])),
             top_k=0 if top_k == -1 else top_k,  # vLLM spells "off" -1
             # vLLM's extra parameters
             presence_penalty=float(_get(body, "presence_penalty", "number", 0.0)),
             frequency_penalty=float(_get(body, "frequency_penalty", "number", 0.0)),
-            repetition_penalty=float(_get(body, "repetition_penalty", "number", 1.0)),
-            min_p=float(_get(body, "min_p", "number", 0.0)),
+            repetition_penalty=float(
+                _get(body, "repetition_penalty", "number", d["repetition_penalty"])
+            ),
+            min_p=float(_get(body, "min_p", "number", d["min_p"])),
             min_tokens=_get(body, "min_tokens", "int", 0),
             logit_bias=tuple(_logit_bias(body).items()),
             include_stop_str_in_output=_get(body, "include_stop_str_in_output", "bool", False),
@@ -352,7 +363,9 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
     return [_message(i, m) for i, m in enumerate(messages)]
 
 
-def _common(body: Any, max_tokens_keys: tuple[str, ...], chat: bool) -> dict[str, Any]:
+def _common(
+    body: Any, max_tokens_keys: tuple[str, ...], chat: bool, defaults: dict[str, Any] | None
+) -> dict[str, Any]:
     _check_object(body)
     check_unsupported(body)
     warn_ignored_fields(body)
@@ -364,7 +377,10 @@ def _common(body: Any, max_tokens_keys: tuple[str, ...], chat: bool) -> dict[str
     logprobs = _logprobs(body, chat)
     prompt_logprobs = _prompt_logprobs(body, stream, logprobs)
     echo = None if chat else body.get("echo") is True
-    params = sampling_params(body, max_tokens_keys, logprobs, prompt_logprobs, echo)
+    default_max_tokens = DEFAULT_MAX_TOKENS["chat" if chat else "completions"]
+    params = sampling_params(
+        body, max_tokens_keys, logprobs, prompt_logprobs, echo, defaults, default_max_tokens
+    )
     given = any(body.get(key) is not None for key in max_tokens_keys)
     return {
         "model": _get(body, "model", "str"),
@@ -375,10 +391,11 @@ def _common(body: Any, max_tokens_keys: tuple[str, ...], chat: bool) -> dict[str
     }
 
 
-def completion_request(body: Any) -> GenerateRequest:
+def completion_request(body: Any, defaults: dict[str, Any] | None = None) -> GenerateRequest:
     """``POST /v1/completions``: ``prompt`` as text, token ids, or a list of either (a
-    batch: one choice per prompt, ``index`` in prompt order)."""
-    common = _common(body, ("max_tokens",), chat=False)
+    batch: one choice per prompt, ``index`` in prompt order). ``defaults``: the model
+    folder's sampling defaults (``sampling_params``)."""
+    common = _common(body, ("max_tokens",), chat=False, defaults=defaults)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not all(_is_int(t) for t in prompt):
         if len(prompt) > MAX_PROMPTS:
@@ -411,10 +428,10 @@ def _prompt(prompt: Any, where: str) -> Prompt:
     )
 
 
-def chat_request(body: Any) -> GenerateRequest:
+def chat_request(body: Any, defaults: dict[str, Any] | None = None) -> GenerateRequest:
     """``POST /v1/chat/completions``: ``messages`` of ``{"role", "content"}`` (text content,
     or a list of ``{"type": "text", "text"}`` parts)."""
-    common = _common(body, ("max_completion_tokens", "max_tokens"), chat=True)
+    common = _common(body, ("max_completion_tokens", "max_tokens"), chat=True, defaults=defaults)
     if body.get("echo") not in (None, False):
         raise bad_request("'echo' is a completions parameter", "echo")
     return GenerateRequest(messages=_messages(body.get("messages")), **common)

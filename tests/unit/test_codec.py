@@ -265,7 +265,7 @@ def _params(**fields) -> list:
                     [],
                 ]
             ),
-            "max_tokens must be an integer >= 1",  # SamplingParams' own validation
+            "max_tokens must be None or an integer >= 1",  # SamplingParams' own validation
         ),
         (_packed(["stage_memory", 0, 1, 2, 3]), "expected the 5 fields of a StageMemory, got 4"),
         (
