@@ -35,7 +35,7 @@ DISCONNECT_POLL_S = 0.5
 
 
 def create_app(
-    engine_loop: EngineLoop, served_model_name: str, api_key: str | None = None
+    engine_loop: EngineLoop, served_model_name: str | list[str], api_key: str | None = None
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -87,17 +87,35 @@ def create_app(
 
 
 class _Routes:
-    def __init__(self, engine_loop: EngineLoop, served_model_name: str) -> None:
+    def __init__(self, engine_loop: EngineLoop, served_model_name: str | list[str]) -> None:
         self.engine_loop = engine_loop
-        self.model = served_model_name
+        names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
+        if not names:
+            raise ValueError("served_model_name: give at least one name")
+        self.names = list(dict.fromkeys(names))  # each accepted as a request's ``model``
+        self.model = self.names[0]  # the one responses carry (vLLM's)
         self.created = int(time.time())
         # the model folder's generation_config.json sampling defaults (read once)
         self.defaults = engine_loop.engine.default_sampling
 
     # --- plain routes --------------------------------------------------------------------
     async def models(self) -> dict[str, Any]:
-        card = {"id": self.model, "object": "model", "created": self.created}
-        return {"object": "list", "data": [{**card, "owned_by": "sarathi-pp"}]}
+        """One card per served name, with vLLM's ``max_model_len`` and ``root`` (the model
+        folder) beside OpenAI's fields."""
+        engine = self.engine_loop.engine
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "sarathi-pp",
+                "root": engine.model_dir,
+                "parent": None,
+                "max_model_len": engine.max_model_len,
+            }
+            for name in self.names
+        ]
+        return {"object": "list", "data": cards}
 
     async def version(self) -> Response:
         """vLLM's ``GET /version``: ``{"version": ...}``, this package's."""
@@ -163,10 +181,11 @@ class _Routes:
 
     def _check_model(self, model: str | None) -> None:
         """A 404 (OpenAI's ``model_not_found``) for a model this server does not serve."""
-        if model is not None and model != self.model:
+        if model is not None and model not in self.names:
+            served = ", ".join(f"`{n}`" for n in self.names)
             raise ApiError(
                 404,
-                f"The model `{model}` does not exist (this server serves `{self.model}`)",
+                f"The model `{model}` does not exist (this server serves {served})",
                 code="model_not_found",
                 param="model",
             )
