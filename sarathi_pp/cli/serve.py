@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from sarathi_pp.cli.common import PROG, add_engine_args, config_from_args, user_errors
@@ -50,6 +51,12 @@ def add_parser(subparsers: Any) -> None:
         f"(not /health, /version, /metrics; default: ${API_KEY_ENV})",
     )
     g.add_argument(
+        "--chat-template",
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) instead of the "
+        "tokenizer's; a request's chat_template wins",
+    )
+    g.add_argument(
         "--uvicorn-log-level",
         "--log-level",
         dest="log_level",
@@ -76,10 +83,13 @@ def run(args: argparse.Namespace) -> int:
             args.model = args.model_tag
         if not 0 < args.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {args.port}")
+        chat_template = read_chat_template(args.chat_template)
         config = config_from_args(args)
         engine = LLMEngine(config)
     names = args.served_model_name or [args.model or config.model.path]
-    server = build_server(engine, names, args.host, args.port, api_key, args.log_level)
+    server = build_server(
+        engine, names, args.host, args.port, api_key, args.log_level, chat_template
+    )
     try:
         server.run()  # its lifespan stops the engine loop and shuts the engine down
     except (KeyboardInterrupt, SystemExit):
@@ -91,3 +101,16 @@ def run(args: argparse.Namespace) -> int:
             return 1
     print(f"{PROG}: stopped", file=sys.stderr)
     return 0
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the template itself (vLLM's rule: a value
+    with Jinja markup is a template; anything else must be a file)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if any(mark in value for mark in ("{{", "{%")):
+        return value
+    raise FileNotFoundError(f"--chat-template: {value!r} is neither a file nor a Jinja template")

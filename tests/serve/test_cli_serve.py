@@ -161,3 +161,14 @@ def test_sigterm_stops_gracefully_after_the_pipeline_is_lost(llama_dir: Path, tm
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_chat_template_flag_is_a_file_or_a_template(tmp_path: Path) -> None:
+    from sarathi_pp.cli.serve import read_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages }}")
+    assert read_chat_template(str(path)) == "{{ messages }}"
+    assert read_chat_template("{% for m in messages %}{% endfor %}").startswith("{%")
+    with pytest.raises(FileNotFoundError, match="neither a file nor a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))

@@ -6,6 +6,7 @@ names."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ pytest.importorskip("fastapi")
 from serving import running_server  # noqa: E402
 
 from sarathi_pp import LLM, SamplingParams  # noqa: E402
+from sarathi_pp.serve.request_fields import FIELDS  # noqa: E402
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 96
@@ -29,6 +31,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 PROMPT = "The pipeline"
+_MSG = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,7 @@ def test_max_tokens_none_offline_runs_to_the_end_of_the_context(chat_dir: Path) 
 
 def test_generation_config_defaults_and_extra_eos(chat_dir: Path, tmp_path: Path) -> None:
     """The folder's temperature (0: greedy) is the default a request overrides; its extra
-    EOS id stops every request."""
+    EOS id stops every request. (And the server's ``--chat-template``.)"""
     with LLM(model=str(chat_dir)) as llm:
         greedy = SamplingParams(max_tokens=8, temperature=0.0)
         tokens = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids
@@ -92,8 +95,13 @@ def test_generation_config_defaults_and_extra_eos(chat_dir: Path, tmp_path: Path
     (folder / "generation_config.json").write_text(
         json.dumps({"eos_token_id": [2, eos], "temperature": 0.0, "top_k": 5})
     )
-    with running_server(folder) as server:
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"  # --chat-template
+    with running_server(folder, chat_template=template) as server:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+        body = {"messages": [{"role": "user", "content": "abc"}]}
+        tokens = httpx.post(server.base_url + "/tokenize", json=body).json()["tokens"]
+        rendered = httpx.post(server.base_url + "/detokenize", json={"tokens": tokens}).json()
+        assert rendered["prompt"] == "<s>[abc]"  # the server's template, not the tokenizer's
         r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8)
         assert r.choices[0].finish_reason == "stop"  # at the extra EOS
         assert r.usage.completion_tokens == first + 1
@@ -104,3 +112,96 @@ def test_generation_config_defaults_and_extra_eos(chat_dir: Path, tmp_path: Path
             extra_body={"ignore_eos": True, "top_k": 0},
         )  # fmt: skip
         assert sampled.usage.completion_tokens == 8  # the request's values win
+
+
+# --- every request field honoured or refused as listed ---------------------------------------
+def _create(client: Any, endpoint: str, body: dict[str, Any]) -> Any:
+    """``body`` through the official client: the fields its ``create`` takes as keywords,
+    the rest (vLLM's) in ``extra_body``; a stream read to its end."""
+    create = client.completions.create if endpoint == "completions" else (
+        client.chat.completions.create
+    )  # fmt: skip
+    known = set(inspect.signature(create).parameters)
+    kwargs = {k: v for k, v in body.items() if k in known}
+    extra = {k: v for k, v in body.items() if k not in known}
+    out = create(**kwargs, extra_body=extra or None)
+    return list(out) if body.get("stream") else out
+
+
+CASES = [(f, e) for f in FIELDS for e in f.endpoints]
+
+
+@pytest.mark.parametrize("field, endpoint", CASES, ids=[f"{e}-{f.name}" for f, e in CASES])
+def test_every_listed_field_is_honoured_or_refused(client, field, endpoint: str) -> None:
+    base: dict[str, Any] = {"model": MODEL, "max_tokens": 2}
+    base.update({"prompt": "hi"} if endpoint == "completions" else {"messages": _MSG})
+    body = {**base, **field.example}
+    if field.honoured:
+        _create(client, endpoint, body)  # no error
+    else:
+        with pytest.raises(openai.BadRequestError) as e:
+            _create(client, endpoint, body)
+        error = e.value.body
+        assert error["param"] == field.name and field.name in error["message"], error
+
+
+def test_request_id_names_the_response(client) -> None:
+    r = _create(client, "completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1,
+                                        "request_id": "abc"})  # fmt: skip
+    assert r.id == "cmpl-abc"
+
+
+def test_stop_token_ids_stop_the_stream_at_that_token(client, reference) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = reference.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    stop = tokens[4]
+    first = tokens.index(stop)
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"stop_token_ids": [stop], "ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == first + 1
+
+
+def test_tool_call_history_and_template_fields_reach_the_template(server, client) -> None:
+    """An assistant's ``tool_calls`` (arguments as a JSON string, handed to the template as
+    an object, as vLLM) and a tool's ``tool_call_id`` rendered by a request's
+    ``chat_template`` with its ``chat_template_kwargs``."""
+    template = (
+        "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}"
+        "{% for c in m.get('tool_calls', []) %}[{{ c['function']['name'] }}"
+        "({{ c['function']['arguments']['city'] }})]{% endfor %}"
+        "{% if m.get('tool_call_id') %}#{{ m['tool_call_id'] }}{% endif %}\n{% endfor %}"
+        "{% if flavour %}<{{ flavour }}>{% endif %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+    ]  # fmt: skip
+    body = {"messages": messages, "chat_template": template,
+            "chat_template_kwargs": {"flavour": "dry"}, "return_token_strs": False}  # fmt: skip
+    tokens = httpx.post(server.base_url + "/tokenize", json=body).json()["tokens"]
+    text = httpx.post(server.base_url + "/detokenize", json={"tokens": tokens}).json()["prompt"]
+    # (the template's block ends eat their newline; the tokenizer's BOS first: the
+    # template writes none)
+    assert text == "<s>user:weather?assistant:[get_weather(Oslo)]tool:rain#c1<dry>assistant:"
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2,
+        extra_body={"chat_template": template, "add_generation_prompt": False},
+    )  # fmt: skip
+    assert r.usage.prompt_tokens == len(tokens) - len("<dry>assistant:")  # bytes: 1 token each
+
+
+@pytest.fixture(scope="module")
+def reference(chat_dir: Path) -> Iterator[LLM]:
+    llm = LLM(model=str(chat_dir))
+    yield llm
+    llm.shutdown()
