@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ class SamplingParamsError(ValueError):
         return type(self), (self.param, str(self))
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
     """How to pick tokens and when to stop, per request.
 
@@ -47,6 +48,11 @@ class SamplingParams:
     the value, the field also in its ``param``): integer fields take any integer type
     (numpy's included; stored as ``int``) but not ``True``/``False`` or floats such as
     ``3.0``; ``temperature`` and ``top_p`` must be finite real numbers.
+
+    Settable, as vLLM's (``params.temperature = 0.5``): a field set later is checked when
+    the params are used. The engine takes its own copy of them when a request is added
+    (``clone``: built again, so checked again), so a change made afterwards reaches no
+    request already added, none of its ``n > 1`` completions and no recomputation.
     """
 
     n: int = 1
@@ -67,9 +73,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
-    # token id -> a number added to its logit (-100..100, OpenAI's); given as a dict, kept
-    # as sorted (id, bias) pairs so the value stays hashable
-    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    # token id -> a number added to its logit (-100..100, OpenAI's); (id, bias) pairs are
+    # accepted too; kept as a dict sorted by token id
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # The log-probability of every prompt token after the first (given those before it) and
     # of the ``prompt_logprobs`` most likely tokens at each position (vLLM's; ``None``: off)
     prompt_logprobs: int | None = None
@@ -86,8 +92,9 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple, repr=False)
 
     def __post_init__(self) -> None:
-        # Normalise so the value stays hashable and immutable, with plain Python types
-        # (numpy scalars would otherwise travel to the stages and into the outputs).
+        # Normalise to plain Python types (numpy scalars would otherwise travel to the
+        # stages and into the outputs) and fresh containers (a caller's list or dict is
+        # never shared).
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         for name in ("n", "top_k", "min_tokens"):
             set_(name, _as_int(name, getattr(self, name)))
@@ -228,6 +235,12 @@ class SamplingParams:
                     "stop_token_ids", f"stop_token_ids must be non-negative integers, got {t!r}"
                 )
 
+    def clone(self) -> SamplingParams:
+        """A copy built again from these fields (vLLM's ``clone``): normalised and checked
+        as at construction, so a field set to a bad value since is refused here, naming
+        it."""
+        return dataclasses.replace(self)
+
     @property
     def has_penalties(self) -> bool:
         """Whether the last stage must know the sequence's tokens to sample it."""
@@ -280,8 +293,8 @@ def _as_tuple(name: str, value: Any) -> tuple:
         raise SamplingParamsError(name, f"{name} must be a list, got {value!r}") from None
 
 
-def _as_bias(value: Any) -> tuple[tuple[int, float], ...]:
-    """``logit_bias`` as sorted ``(token id, bias)`` pairs, from a dict or pairs."""
+def _as_bias(value: Any) -> dict[int, float]:
+    """``logit_bias`` as a dict sorted by token id, from a dict or ``(id, bias)`` pairs."""
     if isinstance(value, dict):
         value = value.items()
     pairs: dict[int, float] = {}
@@ -300,4 +313,4 @@ def _as_bias(value: Any) -> tuple[tuple[int, float], ...]:
                 f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {token}: {bias}",
             )
         pairs[token] = bias
-    return tuple(sorted(pairs.items()))
+    return dict(sorted(pairs.items()))

@@ -115,7 +115,7 @@ class InputProcessor:
         """``ValueError`` naming ``where`` for token ids the model does not have."""
         vocab = self.checkpoint.spec.vocab_size
         for name, ids in (
-            ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("logit_bias", list(params.logit_bias)),
             ("allowed_token_ids", params.allowed_token_ids or ()),
             ("bad_words", [t for w in params.bad_words_token_ids for t in w]),
         ):
@@ -192,6 +192,9 @@ class InputProcessor:
         text: str | None
         if not isinstance(params, SamplingParams):
             raise TypeError(f"{where}: params must be SamplingParams, got {type(params).__name__}")
+        # The request's own copy, checked as built: the caller's object stays theirs to
+        # change (vLLM's SamplingParams is settable), reaching no request already added.
+        params = params.clone()
         if request.messages is not None:
             if request.prompt is not None:
                 raise InputError(f"{where}: give a prompt or messages, not both", "messages")

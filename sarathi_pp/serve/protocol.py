@@ -242,7 +242,7 @@ def sampling_params(
             ),
             min_p=float(_get(body, "min_p", "number", d["min_p"])),
             min_tokens=_get(body, "min_tokens", "int", 0),
-            logit_bias=tuple(_logit_bias(body).items()),
+            logit_bias=_logit_bias(body),
             include_stop_str_in_output=_get(body, "include_stop_str_in_output", "bool", False),
             skip_special_tokens=_get(body, "skip_special_tokens", "bool", True),
             seed=_get(body, "seed", "int"),

@@ -132,7 +132,7 @@ def test_logit_bias_and_min_tokens_fields() -> None:
     p = completion_request(
         {"prompt": "x", "logit_bias": {"7": 3, "2": -1.5}, "min_tokens": 4}
     ).params
-    assert p.logit_bias == ((2, -1.5), (7, 3.0)) and p.min_tokens == 4
+    assert p.logit_bias == {2: -1.5, 7: 3.0} and p.min_tokens == 4
 
 
 def test_vllm_extra_sampling_fields() -> None:
