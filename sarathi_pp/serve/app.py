@@ -55,6 +55,7 @@ def create_app(
     app = FastAPI(title="sarathi-pp", lifespan=lifespan)
     app.state.engine_loop = engine_loop
     server = _Routes(engine_loop, served_model_name, chat_template)
+    engine_loop.metrics.vllm.name_model(server.model)  # vLLM's ``model_name`` label
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:

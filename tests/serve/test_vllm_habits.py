@@ -96,8 +96,13 @@ def test_generation_config_defaults_and_extra_eos(chat_dir: Path, tmp_path: Path
         json.dumps({"eos_token_id": [2, eos], "temperature": 0.0, "top_k": 5})
     )
     template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"  # --chat-template
-    with running_server(folder, chat_template=template) as server:
+    with running_server(folder, names=[MODEL, "alias"], chat_template=template) as server:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+        cards = client.models.list().data  # several --served-model-name, each a card
+        max_len = server.engine_loop.engine.max_model_len
+        assert [(c.id, c.max_model_len) for c in cards] == [(MODEL, max_len), ("alias", max_len)]
+        r = client.completions.create(model="alias", prompt=PROMPT, max_tokens=1)
+        assert r.model == MODEL  # responses carry the first name, as vLLM
         body = {"messages": [{"role": "user", "content": "abc"}]}
         tokens = httpx.post(server.base_url + "/tokenize", json=body).json()["tokens"]
         rendered = httpx.post(server.base_url + "/detokenize", json={"tokens": tokens}).json()
@@ -205,3 +210,52 @@ def reference(chat_dir: Path) -> Iterator[LLM]:
     llm = LLM(model=str(chat_dir))
     yield llm
     llm.shutdown()
+
+
+# --- vLLM's metric names ----------------------------------------------------------------------
+VLLM_METRICS = (
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc", "vllm:num_preemptions_total", "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
+    "vllm:inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_count",
+    "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+    "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+    "vllm:request_inference_time_seconds_count", "vllm:request_prompt_tokens_count",
+    "vllm:request_generation_tokens_count",
+)  # fmt: skip
+
+
+def _samples(server) -> dict[str, float]:
+    """``/metrics``' samples labelled ``model_name="tiny"``: ``name`` (labels dropped but
+    ``finished_reason``) -> value."""
+    out = {}
+    for line in httpx.get(server.base_url + "/metrics").text.splitlines():
+        if line.startswith("vllm:") and f'model_name="{MODEL}"' in line:
+            name, value = line.rsplit(" ", 1)
+            key = name.split("{")[0]
+            if "finished_reason" in name:
+                key += "{" + name.split("finished_reason=")[1].split(",")[0].rstrip("}") + "}"
+            out[key] = out.get(key, 0.0) + float(value) if "_bucket" not in key else 0.0
+    return out
+
+
+def test_vllm_metric_names_are_there_and_move_with_traffic(client, server) -> None:
+    before = _samples(server)
+    assert set(VLLM_METRICS) <= set(before), set(VLLM_METRICS) - set(before)
+    client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    after = _samples(server)
+    grew = {
+        "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count", "vllm:request_generation_tokens_count",
+        'vllm:request_success_total{"length"}',
+    }  # fmt: skip
+    assert all(after[k] > before.get(k, 0.0) for k in grew), {k: after.get(k) for k in grew}
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 5
+    assert (
+        after["vllm:inter_token_latency_seconds_count"]
+        - before["vllm:inter_token_latency_seconds_count"]
+        == 4
+    )
