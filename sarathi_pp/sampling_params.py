@@ -69,6 +69,9 @@ class SamplingParams:
     min_p: float = 0.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: a slow tokenizer's decode puts spaces between special tokens (a fast
+    # tokenizer's decoder joins tokens as trained and takes no such option, as in vLLM)
+    spaces_between_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -111,6 +114,7 @@ class SamplingParams:
             "use_beam_search",
             "include_stop_str_in_output",
             "skip_special_tokens",
+            "spaces_between_special_tokens",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(

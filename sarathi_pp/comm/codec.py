@@ -211,6 +211,7 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "min_p": FLOAT,
             "include_stop_str_in_output": BOOL,
             "skip_special_tokens": BOOL,
+            "spaces_between_special_tokens": BOOL,
             "presence_penalty": FLOAT,
             "frequency_penalty": FLOAT,
             "repetition_penalty": FLOAT,

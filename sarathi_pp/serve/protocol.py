@@ -245,6 +245,7 @@ def sampling_params(
             logit_bias=_logit_bias(body),
             include_stop_str_in_output=_get(body, "include_stop_str_in_output", "bool", False),
             skip_special_tokens=_get(body, "skip_special_tokens", "bool", True),
+            spaces_between_special_tokens=_get(body, "spaces_between_special_tokens", "bool", True),
             seed=_get(body, "seed", "int"),
             stop=_stop(body),
             ignore_eos=_get(body, "ignore_eos", "bool", False),
@@ -362,7 +363,6 @@ def _common(
     warn_ignored_fields(body, _KNOWN_FIELDS[endpoint])
     _get(body, "user", "str")
     _get(body, "cache_salt", "str")  # no prefix cache: nothing to isolate
-    _get(body, "spaces_between_special_tokens", "bool")  # see request_fields.py
     stream = _get(body, "stream", "bool", False)
     options = _get(body, "stream_options", "dict", {})
     include_usage = options.get("include_usage", False)

@@ -254,7 +254,7 @@ def _params(**fields) -> list:
                         [
                             *CHUNK[:5],
                             [1, 0.5, 1, 0, None, 0, [], [], False, None, False, 0.0, False, True]
-                            + [0.0, 0.0, 1.0, 0, [], None, None, [], None, []],
+                            + [True, 0.0, 0.0, 1.0, 0, [], None, None, [], None, []],
                             0,
                             -1,
                             [],
