@@ -259,3 +259,21 @@ def test_vllm_metric_names_are_there_and_move_with_traffic(client, server) -> No
         - before["vllm:inter_token_latency_seconds_count"]
         == 4
     )
+
+
+def test_offline_chat_takes_vllms_rendering_options(reference) -> None:
+    """``LLM.chat``'s ``chat_template``, ``continue_final_message`` and
+    ``chat_template_kwargs``, as vLLM's; both generation prompt and continuation refused."""
+    template = (
+        "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }};{% endfor %}"
+        "{% if x %}[{{ x }}]{% endif %}{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    chat = [*_MSG, {"role": "assistant", "content": "hel"}]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    out = reference.chat(
+        chat, params, use_tqdm=False, chat_template=template, add_generation_prompt=False,
+        continue_final_message=True, chat_template_kwargs={"x": "y"},
+    )[0]  # fmt: skip
+    assert out.prompt == "user:hi;assistant:hel"  # continued: no end of turn, no generation prompt
+    with pytest.raises(ValueError, match="continue_final_message=True needs"):
+        reference.chat(chat, params, continue_final_message=True)
