@@ -84,18 +84,26 @@ def test_max_tokens_none_offline_runs_to_the_end_of_the_context(chat_dir: Path) 
 
 def test_generation_config_defaults_and_extra_eos(chat_dir: Path, tmp_path: Path) -> None:
     """The folder's temperature (0: greedy) is the default a request overrides; its extra
-    EOS id stops every request. (And the server's ``--chat-template``.)"""
+    EOS ids stop every request: a chat without max_tokens stops there, past 16 tokens.
+    (And the server's ``--chat-template``, several served names.)"""
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"  # --chat-template
     with LLM(model=str(chat_dir)) as llm:
         greedy = SamplingParams(max_tokens=8, temperature=0.0)
         tokens = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids
-    folder = tmp_path / "genconf"
-    shutil.copytree(chat_dir, folder)
+        longer = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        chat = llm.chat(_MSG, longer, use_tqdm=False, chat_template=template)[0]
+    chat_tokens = chat.outputs[0].token_ids
     eos = tokens[3]
     first = tokens.index(eos)  # the first time it comes
-    (folder / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": [2, eos], "temperature": 0.0, "top_k": 5})
-    )
-    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"  # --chat-template
+    # a chat EOS first sampled past the 16th token, never in the completion's 8
+    chat_end = next(
+        i for i in range(17, 60)
+        if chat_tokens[i] not in (*chat_tokens[:i], *tokens, eos, 2)
+    )  # fmt: skip
+    folder = tmp_path / "genconf"
+    shutil.copytree(chat_dir, folder)
+    config = {"eos_token_id": [2, eos, chat_tokens[chat_end]], "temperature": 0.0, "top_k": 5}
+    (folder / "generation_config.json").write_text(json.dumps(config))
     with running_server(folder, names=[MODEL, "alias"], chat_template=template) as server:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
         cards = client.models.list().data  # several --served-model-name, each a card
@@ -117,6 +125,10 @@ def test_generation_config_defaults_and_extra_eos(chat_dir: Path, tmp_path: Path
             extra_body={"ignore_eos": True, "top_k": 0},
         )  # fmt: skip
         assert sampled.usage.completion_tokens == 8  # the request's values win
+        assert eos not in chat_tokens[:chat_end]  # (the tiny model's greedy chat has none)
+        reply = client.chat.completions.create(model=MODEL, messages=_MSG)  # no max_tokens
+        assert reply.choices[0].finish_reason == "stop"
+        assert reply.usage.completion_tokens == chat_end + 1 > 16
 
 
 # --- every request field honoured or refused as listed ---------------------------------------
