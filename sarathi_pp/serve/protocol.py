@@ -211,7 +211,9 @@ def sampling_params(
     ``default_max_tokens``: the endpoint's (``DEFAULT_MAX_TOKENS``)."""
     d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
     d.update(defaults or {})
-    max_tokens = default_max_tokens
+    # An explicit null is the rest of the context, as vLLM (whose completions default, 16,
+    # applies only to a request without the field).
+    max_tokens = None if any(k in body for k in max_tokens_keys) else default_max_tokens
     for key in max_tokens_keys:  # the first one given wins
         if body.get(key) is not None:
             max_tokens = _get(body, key, "int")

@@ -72,6 +72,10 @@ def test_chat_without_max_tokens_runs_to_the_end_of_the_context(client) -> None:
 def test_completion_default_is_vllms_16(client) -> None:
     r = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0.0)
     assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    # an explicit null: the rest of the context, as vLLM
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": None, "ignore_eos": True}
+    use = httpx.post(str(client.base_url) + "completions", json=body).json()["usage"]
+    assert use["prompt_tokens"] + use["completion_tokens"] == MAX_MODEL_LEN
 
 
 def test_max_tokens_none_offline_runs_to_the_end_of_the_context(chat_dir: Path) -> None:
