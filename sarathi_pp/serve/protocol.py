@@ -22,7 +22,7 @@ from sarathi_pp.serve.request_fields import CHAT, COMPLETIONS, fields_of, refuse
 # ``max_tokens`` when a request leaves it out, per endpoint, as vLLM's (v0.10.1
 # ``CompletionRequest.max_tokens = 16``; ``ChatCompletionRequest.max_tokens = None``, which
 # vLLM turns into the rest of the context): ``None`` runs to ``max_model_len``.
-DEFAULT_MAX_TOKENS: dict[str, int | None] = {"completions": 16, "chat": None}
+DEFAULT_MAX_TOKENS: dict[str, int | None] = {COMPLETIONS: 16, CHAT: None}
 
 # The request fields, each honoured or refused: ``request_fields.py`` (a field outside it is
 # ignored with a warning naming it, as vLLM's server does: a client's misspelling, e.g.
@@ -129,8 +129,8 @@ class GenerateRequest:
     messages: list[dict[str, Any]] | None = None
     max_tokens: int | None = None  # as given (None: the endpoint's default)
     request_id: str | None = None  # vLLM's: the response id's suffix (None: a random one)
-    # vLLM's: the tokenizer's special tokens (BOS) added to the prompt (None: the endpoint's
-    # default: completions yes, chat no: the template writes its own)
+    # vLLM's: the tokenizer's special tokens (BOS) added to the prompt (None: the default:
+    # a completion's yes, a chat's only where its template writes none)
     add_special_tokens: bool | None = None
     chat: ChatOptions | None = None  # a chat's rendering options
     echo: bool = False  # completions: each choice's text starts with its prompt
@@ -373,7 +373,7 @@ def _common(
     logprobs = _logprobs(body, chat)
     prompt_logprobs = _prompt_logprobs(body, stream, logprobs)
     echo = None if chat else body.get("echo") is True
-    default_max_tokens = DEFAULT_MAX_TOKENS["chat" if chat else "completions"]
+    default_max_tokens = DEFAULT_MAX_TOKENS[CHAT if chat else COMPLETIONS]
     params = sampling_params(
         body, max_tokens_keys, logprobs, prompt_logprobs, echo, defaults, default_max_tokens
     )
