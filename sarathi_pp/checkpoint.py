@@ -11,6 +11,7 @@ no tier below reaches up to find it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sarathi_pp.config import BUILTIN_PREFIX, ModelConfig
+from sarathi_pp.generation_config import GenerationDefaults, load_generation_defaults
 from sarathi_pp.model_spec import ModelSpec, spec_from_dict
 
 # ``builtin:NAME``'s NAME -> the local folder it is built (or converted) into.
@@ -33,6 +35,8 @@ class Checkpoint:
     path: str  # a local folder: config.json + safetensors (+ tokenizer files)
     spec: ModelSpec
     max_model_len: int  # prompt + output tokens of one sequence, within the checkpoint's limit
+    # generation_config.json's sampling defaults (its EOS ids are in ``spec.eos_token_ids``)
+    generation: GenerationDefaults = GenerationDefaults()
 
 
 def load_checkpoint(
@@ -43,7 +47,11 @@ def load_checkpoint(
     ``resolve_builtin`` builds a ``builtin:NAME`` model (needed only for those)."""
     path = resolve_model_path(model.path, resolve_builtin)
     spec = load_model_spec(path)
-    return Checkpoint(path, spec, resolve_max_model_len(model, spec))
+    generation = load_generation_defaults(path)
+    extra_eos = [t for t in generation.eos_token_ids if t not in spec.eos_token_ids]
+    if extra_eos:  # vLLM's: generation_config.json's EOS ids stop every request too
+        spec = dataclasses.replace(spec, eos_token_ids=(*spec.eos_token_ids, *extra_eos))
+    return Checkpoint(path, spec, resolve_max_model_len(model, spec), generation)
 
 
 def resolve_model_path(path: str, resolve_builtin: BuiltinResolver | None = None) -> str:

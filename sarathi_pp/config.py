@@ -131,7 +131,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     """Most sequences running (holding KV blocks) at once."""
     max_num_batched_tokens: int | None = None
-    """Token cap of one prefill micro-batch for vllm/orca; ``None`` = ``max_model_len``."""
+    """Token cap of one prefill micro-batch for vllm/orca; ``None`` = ``max_model_len``.
+    Refused under the chunking policies, whose budget is ``chunk_size``."""
     max_waiting: int | None = None
     """Most requests waiting to be admitted; a request past it is refused with
     ``QueueFullError`` (an HTTP server answers 429). ``None`` = unbounded."""
@@ -163,6 +164,13 @@ class SchedulerConfig:
         _check_int("tile_size", self.tile_size, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_opt_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_num_batched_tokens is not None and self.chunks_prompts:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} caps whole-prompt "
+                f"micro-batches (policies {', '.join(WHOLE_PROMPT_POLICIES)}); under "
+                f"{self.policy!r} a micro-batch's token budget is chunk_size: set "
+                f"chunk_size={self.max_num_batched_tokens} (--chunk-size) instead"
+            )
         _check_opt_int("max_waiting", self.max_waiting, 1)
         if not isinstance(self.tile_align, bool):
             raise ValueError(f"tile_align must be true or false, got {self.tile_align!r}")

@@ -11,7 +11,7 @@ from typing import Any
 from sarathi_pp.config import EngineConfig, make_config
 from sarathi_pp.config_file import load_config
 from sarathi_pp.engine import LLMEngine
-from sarathi_pp.engine.input_processor import Prompt, RequestInput
+from sarathi_pp.engine.input_processor import ChatOptions, Prompt, RequestInput
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.sampling_params import SamplingParams
 
@@ -49,6 +49,11 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model folder's ``generation_config.json`` sampling
+        defaults (vLLM's): what ``generate`` and ``chat`` use without ``sampling_params``."""
+        return self.engine.default_sampling_params()
 
     def generate(
         self,
@@ -109,10 +114,25 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         on_finished: Callable[[int, RequestOutput], None] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """As vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}``) or a
-        list of them, each rendered by the tokenizer's chat template with the generation
-        prompt, then ``generate``. ``ValueError`` for a model without a chat template."""
+        list of them, each rendered by the chat template (the tokenizer's, or
+        ``chat_template``) with the generation prompt (or, ``continue_final_message``, the
+        last message continued), ``chat_template_kwargs`` as template variables, then
+        ``generate``. ``ValueError`` for a model without a chat template."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(
+                "continue_final_message=True needs add_generation_prompt=False (the last "
+                "message is continued, not answered)"
+            )
+        options = ChatOptions(
+            add_generation_prompt, continue_final_message, chat_template,
+            dict(chat_template_kwargs or {}),
+        )  # fmt: skip
         conversations: list[Any]
         if isinstance(messages, list) and messages and isinstance(messages[0], dict):
             conversations = [messages]
@@ -122,7 +142,13 @@ class LLM:
             raise ValueError(f"messages must be a conversation or a list of them, got {messages!r}")
         params = self._params_per_prompt(sampling_params, len(conversations))
         requests = [
-            RequestInput(self._next_id(), sp, messages=conversation, where=f"conversation {i}")
+            RequestInput(
+                self._next_id(),
+                sp,
+                messages=conversation,
+                where=f"conversation {i}",
+                chat=options,
+            )  # fmt: skip
             for i, (conversation, sp) in enumerate(zip(conversations, params))
         ]
         return self._generate(requests, use_tqdm, on_finished)
@@ -133,8 +159,8 @@ class LLM:
         return request_id
 
     def _params_per_prompt(self, sp, n: int) -> list[SamplingParams]:
-        if sp is None:
-            return [SamplingParams()] * n
+        if sp is None:  # vLLM's: with the model folder's generation_config.json defaults
+            return [self.engine.default_sampling_params()] * n
         if isinstance(sp, SamplingParams):
             return [sp] * n
         if not isinstance(sp, (list, tuple)):  # a dict would be read as its keys

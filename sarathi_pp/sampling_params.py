@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -24,13 +25,13 @@ class SamplingParamsError(ValueError):
         return type(self), (self.param, str(self))
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
     """How to pick tokens and when to stop, per request.
 
     Defaults follow vLLM: ``temperature=1.0``, ``top_p=1.0``, ``top_k=0`` (off; ``-1`` is
-    accepted as "off" too), ``min_p=0.0`` (off), ``max_tokens=16``. ``temperature=0`` means
-    greedy. The penalties are vLLM's (and OpenAI's): ``presence_penalty`` and
+    accepted as "off" too), ``min_p=0.0`` (off), ``max_tokens=16`` (``None``: the rest of the context,
+    ``max_model_len`` less the prompt). ``temperature=0`` means greedy. The penalties are vLLM's (and OpenAI's): ``presence_penalty`` and
     ``frequency_penalty`` (-2 to 2) lower the logits of tokens already generated, once or
     per occurrence; ``repetition_penalty`` (> 0, 1 = off) divides the positive logits of
     every token of the prompt and the output (multiplies the negative), as Hugging Face's.
@@ -47,6 +48,11 @@ class SamplingParams:
     the value, the field also in its ``param``): integer fields take any integer type
     (numpy's included; stored as ``int``) but not ``True``/``False`` or floats such as
     ``3.0``; ``temperature`` and ``top_p`` must be finite real numbers.
+
+    Settable, as vLLM's (``params.temperature = 0.5``): a field set later is checked when
+    the params are used. The engine takes its own copy of them when a request is added
+    (``clone``: built again, so checked again), so a change made afterwards reaches no
+    request already added, none of its ``n > 1`` completions and no recomputation.
     """
 
     n: int = 1
@@ -54,7 +60,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to max_model_len
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -63,13 +69,16 @@ class SamplingParams:
     min_p: float = 0.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: a slow tokenizer's decode puts spaces between special tokens (a fast
+    # tokenizer's decoder joins tokens as trained and takes no such option, as in vLLM)
+    spaces_between_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
-    # token id -> a number added to its logit (-100..100, OpenAI's); given as a dict, kept
-    # as sorted (id, bias) pairs so the value stays hashable
-    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    # token id -> a number added to its logit (-100..100, OpenAI's); (id, bias) pairs are
+    # accepted too; kept as a dict sorted by token id
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # The log-probability of every prompt token after the first (given those before it) and
     # of the ``prompt_logprobs`` most likely tokens at each position (vLLM's; ``None``: off)
     prompt_logprobs: int | None = None
@@ -86,12 +95,13 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple, repr=False)
 
     def __post_init__(self) -> None:
-        # Normalise so the value stays hashable and immutable, with plain Python types
-        # (numpy scalars would otherwise travel to the stages and into the outputs).
+        # Normalise to plain Python types (numpy scalars would otherwise travel to the
+        # stages and into the outputs) and fresh containers (a caller's list or dict is
+        # never shared).
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        for name in ("n", "top_k", "max_tokens", "min_tokens"):
+        for name in ("n", "top_k", "min_tokens"):
             set_(name, _as_int(name, getattr(self, name)))
-        for name in ("seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
             value = getattr(self, name)
             set_(name, None if value is None else _as_int(name, value, "an integer or None"))
         for name in (
@@ -104,6 +114,7 @@ class SamplingParams:
             "use_beam_search",
             "include_stop_str_in_output",
             "skip_special_tokens",
+            "spaces_between_special_tokens",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(
@@ -153,11 +164,14 @@ class SamplingParams:
             raise SamplingParamsError("use_beam_search", "beam search is not supported")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise SamplingParamsError("seed", f"seed must be a 64-bit integer, got {self.seed}")
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise SamplingParamsError(
-                "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+                "max_tokens",
+                f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}",
             )
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if self.min_tokens < 0 or (
+            self.max_tokens is not None and self.min_tokens > self.max_tokens
+        ):
             raise SamplingParamsError(
                 "min_tokens",
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
@@ -225,6 +239,12 @@ class SamplingParams:
                     "stop_token_ids", f"stop_token_ids must be non-negative integers, got {t!r}"
                 )
 
+    def clone(self) -> SamplingParams:
+        """A copy built again from these fields (vLLM's ``clone``): normalised and checked
+        as at construction, so a field set to a bad value since is refused here, naming
+        it."""
+        return dataclasses.replace(self)
+
     @property
     def has_penalties(self) -> bool:
         """Whether the last stage must know the sequence's tokens to sample it."""
@@ -277,8 +297,8 @@ def _as_tuple(name: str, value: Any) -> tuple:
         raise SamplingParamsError(name, f"{name} must be a list, got {value!r}") from None
 
 
-def _as_bias(value: Any) -> tuple[tuple[int, float], ...]:
-    """``logit_bias`` as sorted ``(token id, bias)`` pairs, from a dict or pairs."""
+def _as_bias(value: Any) -> dict[int, float]:
+    """``logit_bias`` as a dict sorted by token id, from a dict or ``(id, bias)`` pairs."""
     if isinstance(value, dict):
         value = value.items()
     pairs: dict[int, float] = {}
@@ -297,4 +317,4 @@ def _as_bias(value: Any) -> tuple[tuple[int, float], ...]:
                 f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {token}: {bias}",
             )
         pairs[token] = bias
-    return tuple(sorted(pairs.items()))
+    return dict(sorted(pairs.items()))

@@ -32,6 +32,12 @@ OVERRIDE_FLAGS: dict[str, str] = {
     "tensor_parallel_size": "tensor_parallel_size",
     "seed": "seed",
     "dtype": "dtype",
+    "max_model_len": "max_model_len",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "tokenizer": "tokenizer",
+    "block_size": "block_size",
     "run_dir": "run_dir",
     "overwrite": "overwrite",
 }
@@ -68,13 +74,49 @@ def add_engine_args(parser: argparse.ArgumentParser, run_dirs: str | None = None
         "--chunk-size", type=chunk_size_arg, metavar="N|auto", help="scheduler.chunk_size"
     )
     g.add_argument(
-        "--pipeline-parallel-size", type=int, metavar="N", help="parallel.pipeline_parallel_size"
+        "-pp",
+        "--pipeline-parallel-size",
+        type=int,
+        metavar="N",
+        help="parallel.pipeline_parallel_size",
     )
     g.add_argument(
-        "--tensor-parallel-size", type=int, metavar="1", help="parallel.tensor_parallel_size (1)"
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        metavar="1",
+        help="parallel.tensor_parallel_size (only 1: no tensor parallelism yet)",
     )
     g.add_argument("--seed", type=int, metavar="N", help="model.seed: default for sampled requests")
-    g.add_argument("--dtype", choices=DTYPES, help="model.dtype")
+    g.add_argument(
+        "--dtype",
+        type=dtype_arg,
+        metavar="{" + ",".join((*DTYPES, *DTYPE_ALIASES)) + "}",
+        help="model.dtype (vLLM's half = float16, float = float32)",
+    )
+    g.add_argument(
+        "--max-model-len", type=int, metavar="N", help="model.max_model_len (prompt + output)"
+    )
+    g.add_argument("--tokenizer", metavar="DIR", help="model.tokenizer (default: the model's)")
+    g.add_argument(
+        "--gpu-memory-utilization", type=float, metavar="F", help="cache.gpu_memory_utilization"
+    )
+    g.add_argument("--block-size", type=int, metavar="N", help="cache.block_size")
+    g.add_argument("--max-num-seqs", type=int, metavar="N", help="scheduler.max_num_seqs")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        metavar="N",
+        help="scheduler.max_num_batched_tokens: vllm/orca policies only (under sarathi and "
+        "simple_chunking the budget is --chunk-size)",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="refused: prefix caching does not exist yet (--no-enable-prefix-caching is "
+        "accepted: what runs anyway)",
+    )
     if run_dirs is None:
         g.add_argument("--run-dir", metavar="DIR", help="run.run_dir: where the run's records go")
     else:
@@ -93,6 +135,19 @@ def add_engine_args(parser: argparse.ArgumentParser, run_dirs: str | None = None
         metavar="SECTION.KEY=VALUE",
         help="any config key, value parsed as YAML (repeatable; e.g. scheduler.chunk_size=512)",
     )
+
+
+# vLLM's ``--dtype`` spellings that are other names of ours.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def dtype_arg(text: str) -> str:
+    """``--dtype``: one of ``DTYPES`` or vLLM's ``half``/``float`` (argparse ``type=``)."""
+    text = DTYPE_ALIASES.get(text, text)
+    if text not in DTYPES:
+        valid = ", ".join((*DTYPES, *DTYPE_ALIASES))
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {valid})")
+    return text
 
 
 def chunk_size_arg(text: str) -> int | str:
@@ -146,6 +201,11 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The engine config: defaults < ``--config`` file < flags and ``--set``."""
+    if getattr(args, "enable_prefix_caching", None):
+        raise ValueError(
+            "--enable-prefix-caching: prefix caching does not exist in sarathi-pp yet "
+            "(every prompt is prefilled whole); drop the flag"
+        )
     return load_config(args.config, **config_overrides(args))
 
 

@@ -53,7 +53,12 @@ def add_parser(subparsers: Any) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=16, metavar="N", help="default: 16")
     g.add_argument(
-        "--temperature", type=float, default=0.0, metavar="T", help="default: 0 (greedy)"
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="default: 0 (greedy, unlike vLLM's 1; the sampling defaults of the model "
+        "folder's generation_config.json apply to serve and LLM(), not to these flags)",
     )
     g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="default: 1 (off)")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="default: 0 (off)")

@@ -146,21 +146,20 @@ def _pairs(key: Kind, value: Kind) -> Kind:
 
 
 def _bias() -> Kind:
-    """``SamplingParams.logit_bias``: ``((token id, bias), ...)`` <-> ``[[id, bias], ...]``."""
+    """``SamplingParams.logit_bias``: ``{token id: bias}`` <-> ``[[id, bias], ...]``."""
 
     def to(v: Any) -> list:
-        if type(v) is not tuple:
-            raise CodecError(f"expected a tuple of (id, bias) pairs, got {_type_name(v)}")
+        if type(v) is not dict:
+            raise CodecError(f"expected a dict of token id -> bias, got {_type_name(v)}")
         return [
-            [_at(f"[{i}]", INT[0], t), _at(f"[{i}]", FLOAT[0], b)] for i, (t, b) in enumerate(v)
+            [_at(f"[{i}]", INT[0], t), _at(f"[{i}]", FLOAT[0], b)]
+            for i, (t, b) in enumerate(v.items())
         ]
 
-    def back(v: Any) -> tuple:
+    def back(v: Any) -> dict:
         if type(v) is not list or not all(type(p) is list and len(p) == 2 for p in v):
             raise CodecError(f"expected a list of [id, bias] pairs, got {_type_name(v)}")
-        return tuple(
-            (_at(f"[{i}]", INT[1], t), _at(f"[{i}]", FLOAT[1], b)) for i, (t, b) in enumerate(v)
-        )
+        return {_at(f"[{i}]", INT[1], t): _at(f"[{i}]", FLOAT[1], b) for i, (t, b) in enumerate(v)}
 
     return to, back
 
@@ -203,7 +202,7 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "top_p": FLOAT,
             "top_k": INT,
             "seed": _optional(INT),
-            "max_tokens": INT,
+            "max_tokens": _optional(INT),
             "stop": STRS,
             "stop_token_ids": INTS,
             "ignore_eos": BOOL,
@@ -212,6 +211,7 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "min_p": FLOAT,
             "include_stop_str_in_output": BOOL,
             "skip_special_tokens": BOOL,
+            "spaces_between_special_tokens": BOOL,
             "presence_penalty": FLOAT,
             "frequency_penalty": FLOAT,
             "repetition_penalty": FLOAT,

@@ -41,6 +41,20 @@ class InputError(ValueError):
 
 
 @dataclass(frozen=True)
+class ChatOptions:
+    """How a chat is rendered (vLLM's chat request fields): the generation prompt after the
+    last message (default), or the last message continued (``continue_final_message``:
+    an assistant's reply prefilled, without the template's end of turn); ``chat_template``:
+    a Jinja template instead of the tokenizer's; ``template_kwargs``: extra template
+    variables (``chat_template_kwargs``, e.g. ``enable_thinking``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class RequestInput:
     """One request as a front end hands it to ``LLMEngine.add_requests``: a ``prompt`` or a
     chat (``messages``, rendered by the tokenizer's chat template with the generation
@@ -57,6 +71,10 @@ class RequestInput:
     # ``InputError`` naming ``max_tokens``), as OpenAI's and vLLM's servers do for an
     # explicit ``max_tokens``; otherwise such a request stops at ``max_model_len``.
     max_tokens_must_fit: bool = False
+    chat: ChatOptions | None = None  # ``messages``: how to render them (None: the default)
+    # A text prompt's special tokens (BOS): None = the default (a prompt yes, a chat no:
+    # its template writes its own)
+    add_special_tokens: bool | None = None
 
     @property
     def name(self) -> str:
@@ -97,7 +115,7 @@ class InputProcessor:
         """``ValueError`` naming ``where`` for token ids the model does not have."""
         vocab = self.checkpoint.spec.vocab_size
         for name, ids in (
-            ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("logit_bias", list(params.logit_bias)),
             ("allowed_token_ids", params.allowed_token_ids or ()),
             ("bad_words", [t for w in params.bad_words_token_ids for t in w]),
         ):
@@ -174,16 +192,22 @@ class InputProcessor:
         text: str | None
         if not isinstance(params, SamplingParams):
             raise TypeError(f"{where}: params must be SamplingParams, got {type(params).__name__}")
+        # The request's own copy, checked as built: the caller's object stays theirs to
+        # change (vLLM's SamplingParams is settable), reaching no request already added.
+        params = params.clone()
         if request.messages is not None:
             if request.prompt is not None:
                 raise InputError(f"{where}: give a prompt or messages, not both", "messages")
             try:
-                text, token_ids = self.render_chat(request.messages)
+                text, token_ids = self.render_chat(
+                    request.messages, request.chat, request.add_special_tokens
+                )
             except ValueError as e:
                 raise InputError(f"{where}: {e}", "messages") from None
             field = "messages"
         else:
-            text, token_ids = self.prompt_tokens(request.prompt, where)
+            special = request.add_special_tokens is not False
+            text, token_ids = self.prompt_tokens(request.prompt, where, special)
             field = "prompt"
         token_ids = self.truncated(token_ids, params)
         try:
@@ -193,8 +217,9 @@ class InputProcessor:
         params = self.with_bad_words(params, where)
         self.check_params(params, where)
         max_len = self.checkpoint.max_model_len
-        if request.max_tokens_must_fit and len(token_ids) + params.max_tokens > max_len:
-            n, k = len(token_ids), params.max_tokens
+        k = params.max_tokens
+        if request.max_tokens_must_fit and k is not None and len(token_ids) + k > max_len:
+            n = len(token_ids)
             raise InputError(
                 f"This model's maximum context length is {max_len} tokens. However, you "
                 f"requested {n + k} tokens ({n} in the {where}, {k} in the completion): "
@@ -204,14 +229,17 @@ class InputProcessor:
         arrival = arrival_or_now(request.arrival_time, now)  # ValueError: not on our clock
         return ProcessedRequest(request.request_id, text, token_ids, params, arrival)
 
-    def prompt_tokens(self, prompt: Any, where: str) -> tuple[str | None, list[int]]:
-        """A prompt's text (``None`` for token ids alone) and token ids: text is tokenized,
-        token ids checked to be integers (``as_token_ids``)."""
+    def prompt_tokens(
+        self, prompt: Any, where: str, add_special_tokens: bool = True
+    ) -> tuple[str | None, list[int]]:
+        """A prompt's text (``None`` for token ids alone) and token ids: text is tokenized
+        (with the tokenizer's special tokens unless ``add_special_tokens`` is false), token
+        ids checked to be integers (``as_token_ids``)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InputError(f"{where} is empty", "prompt")
             try:
-                return prompt, self.tokenize(prompt)
+                return prompt, self.tokenize(prompt, add_special_tokens)
             except ValueError as e:  # no tokenizer
                 raise InputError(f"{where}: {e}", "prompt") from None
         if isinstance(prompt, dict):
@@ -221,7 +249,7 @@ class InputProcessor:
                     raise TypeError(f"{where}: 'prompt' must be a string, got {text!r}")
                 return text, self._token_ids(prompt["prompt_token_ids"], where)
             if isinstance(prompt.get("prompt"), str):
-                return self.prompt_tokens(prompt["prompt"], where)
+                return self.prompt_tokens(prompt["prompt"], where, add_special_tokens)
             raise InputError(
                 f"{where}: a dict prompt needs 'prompt_token_ids' or 'prompt'", "prompt"
             )
@@ -238,16 +266,25 @@ class InputProcessor:
         except ValueError as e:
             raise InputError(str(e), "prompt") from None
 
-    def render_chat(self, messages: Any) -> tuple[str, list[int]]:
-        """One conversation (``[{"role", "content"}, ...]``) through the tokenizer's chat
-        template with the generation prompt: its text and token ids (the template's own
-        BOS is not added twice). ``ValueError`` for a model without a template."""
+    def render_chat(
+        self,
+        messages: Any,
+        options: ChatOptions | None = None,
+        add_special_tokens: bool | None = None,
+    ) -> tuple[str, list[int]]:
+        """One conversation (``[{"role", "content"}, ...]``; an assistant's ``tool_calls``
+        and a tool's ``tool_call_id`` are handed to the template as they are) through the
+        chat template as ``options`` say (default: the tokenizer's, with the generation
+        prompt): its text and token ids. The tokenizer's BOS is added only where the
+        template did not write it (``add_special_tokens``: None), or as that says.
+        ``ValueError`` for a model without a template."""
+        options = options or ChatOptions()
         tok = self.tokenizer
         if tok is None:
             raise ValueError(
                 f"model folder {self.checkpoint.path!r} has no tokenizer: chat needs one"
             )
-        if not getattr(tok, "chat_template", None):
+        if not (options.chat_template or getattr(tok, "chat_template", None)):
             raise ValueError(
                 f"the tokenizer of {self.checkpoint.path!r} has no chat template "
                 "(tokenizer_config.json 'chat_template'): give plain prompts instead"
@@ -265,12 +302,26 @@ class InputProcessor:
             raise ValueError(
                 f"a conversation must be a non-empty list of {{'role': str, 'content': str}}, got {messages!r}"
             )
+        if options.continue_final_message and messages[-1].get("role") != "assistant":
+            raise ValueError(
+                "continue_final_message: the last message must be the assistant's to "
+                f"continue, got role {messages[-1].get('role')!r}"
+            )
         try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tok.apply_chat_template(
+                messages,
+                chat_template=options.chat_template,
+                tokenize=False,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
+                **options.template_kwargs,
+            )
         except Exception as e:  # a template refusing these messages (raise_exception)
             raise ValueError(f"the chat template failed on these messages: {e}") from e
         bos = getattr(tok, "bos_token", None)
         special = not (bos and text.startswith(bos))  # the template wrote the BOS itself
+        if add_special_tokens is not None:
+            special = add_special_tokens
         return text, list(tok.encode(text, add_special_tokens=special))
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:

@@ -176,6 +176,18 @@ class LLMEngine(PipelineRecovery):
         return self._clock()
 
     # --- requests ------------------------------------------------------------------------
+    @property
+    def default_sampling(self) -> dict[str, Any]:
+        """The model folder's ``generation_config.json`` sampling defaults (``SamplingParams``
+        field -> value; empty when it sets none): what a request that leaves a field out
+        gets, as vLLM's ``--generation-config auto``."""
+        return dict(self.checkpoint.generation.sampling)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """vLLM's ``LLM.get_default_sampling_params``: ``SamplingParams()`` with the model
+        folder's ``generation_config.json`` defaults."""
+        return SamplingParams(**self.default_sampling)
+
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """``prompt``'s token ids (with the tokenizer's special tokens, e.g. BOS, unless
         ``add_special_tokens`` is false); ``ValueError`` without a tokenizer."""

@@ -66,7 +66,8 @@ class OutputProcessor:
             return SequenceStatus.FINISHED_STOPPED, None
         if p.stop and (hit := self._stop_string(seq, state)) is not None:
             return SequenceStatus.FINISHED_STOPPED, hit
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        at_max = p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens
+        if at_max or seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH, None
         return None
 
@@ -75,7 +76,8 @@ class OutputProcessor:
         skip = seq.params.skip_special_tokens
         if state.stream is not None:
             return self.detokenizer.step(state.stream, seq.output_token_ids, skip)
-        full = self.detokenizer.decode(seq.output_token_ids, skip)
+        spaces = seq.params.spaces_between_special_tokens
+        full = self.detokenizer.decode(seq.output_token_ids, skip, spaces)
         return full[len(state.text) :]
 
     def _stop_string(self, seq: Sequence, state: _TextState) -> str | None:
@@ -106,7 +108,10 @@ class OutputProcessor:
             self._text.pop(seq.seq_id, None)
             if self.detokenizer is not None and not isinstance(seq.stop_reason, str):
                 # The stream holds back an incomplete UTF-8 tail; the final text has it all.
-                text = self.detokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
+                p = seq.params
+                text = self.detokenizer.decode(
+                    seq.output_token_ids, p.skip_special_tokens, p.spaces_between_special_tokens
+                )
         completion = CompletionOutput(
             index=0,
             text=text,

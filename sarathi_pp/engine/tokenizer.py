@@ -43,5 +43,13 @@ class Detokenizer:
             return ""
         return stream.step(self._backend, token_ids[-1]) or ""
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    def decode(
+        self, token_ids: list[int], skip_special_tokens: bool = True, spaces: bool = True
+    ) -> str:
+        """``spaces``: ``spaces_between_special_tokens``, which a slow tokenizer's decode
+        takes (a fast one's ignores it: its decoder joins tokens as trained)."""
+        if spaces:  # the tokenizers' default
+            return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(
+            token_ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=False
+        )

@@ -14,8 +14,10 @@ decode work, which the long requests dominate as they dominate the pipeline):
 * before any request: ``pd_ratio = max_chunk_size``, which puts C at the upper clamp
   whenever a micro-batch carries a decode: the largest budget the plan gives. It is never
   scheduled with: the first request re-plans.
-* the prior: every request added so far, its prompt length and ``max_tokens`` (capped at
-  ``max_model_len``) as the expected output length.
+* the prior: every request added so far with a ``max_tokens`` of its own, its prompt length
+  and that ``max_tokens`` (capped at ``max_model_len``) as the expected output length. A
+  request without one (``max_tokens=None``: the rest of the context, a bound and not a
+  length) says nothing of its output until it finishes: it is left out of the prior.
 * the window: the last ``auto_chunk_window`` finished requests (stopped or at their length
   limit; an aborted or failed one says nothing of the workload), with their actual prompt
   and output lengths (an EOS-stopped request is shorter than its ``max_tokens``). While the
@@ -78,8 +80,11 @@ class ChunkTuner:
             c.tile_size,
         ).chunk_size
 
-    def on_added(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """A request arrived: part of the prior (re-plans only while the window has room)."""
+    def on_added(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """A request arrived: part of the prior (re-plans only while the window has room);
+        ``max_tokens=None`` (no length asked for): not part of it."""
+        if max_tokens is None:
+            return
         self._num_added += 1
         self._added_prompt_tokens += num_prompt_tokens
         self._added_output_tokens += max(1, min(max_tokens, self.max_model_len - num_prompt_tokens))

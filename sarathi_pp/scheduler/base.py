@@ -333,7 +333,10 @@ class Scheduler(ABC):
             and seq.sampling_microbatch >= 0
             and (any_microbatch or seq.sampling_microbatch <= self._ring_upto)
             and seq.num_scheduled_tokens == len(seq.token_ids)
-            and len(seq.output_token_ids) + 1 < seq.params.max_tokens
+            and (
+                seq.params.max_tokens is None
+                or len(seq.output_token_ids) + 1 < seq.params.max_tokens
+            )
             and len(seq.token_ids) + 1 < self.max_model_len
         )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import time
@@ -23,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sarathi_pp.engine import EngineDeadError, LLMEngine
-from sarathi_pp.engine.input_processor import RequestInput
+from sarathi_pp.engine.input_processor import ChatOptions, RequestInput
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.scheduler.base import QueueFullError
 from sarathi_pp.serve import protocol as p
@@ -35,8 +36,14 @@ DISCONNECT_POLL_S = 0.5
 
 
 def create_app(
-    engine_loop: EngineLoop, served_model_name: str, api_key: str | None = None
+    engine_loop: EngineLoop,
+    served_model_name: str | list[str],
+    api_key: str | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
+    """``chat_template``: the server's (``--chat-template``) instead of the tokenizer's; a
+    request's own ``chat_template`` wins."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine_loop.start()
@@ -47,7 +54,8 @@ def create_app(
 
     app = FastAPI(title="sarathi-pp", lifespan=lifespan)
     app.state.engine_loop = engine_loop
-    server = _Routes(engine_loop, served_model_name)
+    server = _Routes(engine_loop, served_model_name, chat_template)
+    engine_loop.metrics.vllm.name_model(server.model)  # vLLM's ``model_name`` label
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -87,15 +95,41 @@ def create_app(
 
 
 class _Routes:
-    def __init__(self, engine_loop: EngineLoop, served_model_name: str) -> None:
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        served_model_name: str | list[str],
+        chat_template: str | None = None,
+    ) -> None:
         self.engine_loop = engine_loop
-        self.model = served_model_name
+        self.chat_template = chat_template
+        names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
+        if not names:
+            raise ValueError("served_model_name: give at least one name")
+        self.names = list(dict.fromkeys(names))  # each accepted as a request's ``model``
+        self.model = self.names[0]  # the one responses carry (vLLM's)
         self.created = int(time.time())
+        # the model folder's generation_config.json sampling defaults (read once)
+        self.defaults = engine_loop.engine.default_sampling
 
     # --- plain routes --------------------------------------------------------------------
     async def models(self) -> dict[str, Any]:
-        card = {"id": self.model, "object": "model", "created": self.created}
-        return {"object": "list", "data": [{**card, "owned_by": "sarathi-pp"}]}
+        """One card per served name, with vLLM's ``max_model_len`` and ``root`` (the model
+        folder) beside OpenAI's fields."""
+        engine = self.engine_loop.engine
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "sarathi-pp",
+                "root": engine.model_dir,
+                "parent": None,
+                "max_model_len": engine.max_model_len,
+            }
+            for name in self.names
+        ]
+        return {"object": "list", "data": cards}
 
     async def version(self) -> Response:
         """vLLM's ``GET /version``: ``{"version": ...}``, this package's."""
@@ -123,7 +157,7 @@ class _Routes:
 
         def run(engine: LLMEngine) -> dict[str, Any]:  # on the engine thread: it owns the tokenizer
             if req.messages is not None:
-                _, tokens = render_chat(engine, req.messages)
+                _, tokens = render_chat(engine, req.messages, self._chat_options(req.chat))
             else:
                 assert req.prompt is not None
                 try:
@@ -159,20 +193,28 @@ class _Routes:
         except EngineFailure as e:
             raise ApiError(503, str(e), "service_unavailable") from None
 
+    def _chat_options(self, options: ChatOptions | None) -> ChatOptions:
+        """A request's chat options, the server's template where it names none."""
+        options = options or ChatOptions()
+        if options.chat_template is None and self.chat_template is not None:
+            return dataclasses.replace(options, chat_template=self.chat_template)
+        return options
+
     def _check_model(self, model: str | None) -> None:
         """A 404 (OpenAI's ``model_not_found``) for a model this server does not serve."""
-        if model is not None and model != self.model:
+        if model is not None and model not in self.names:
+            served = ", ".join(f"`{n}`" for n in self.names)
             raise ApiError(
                 404,
-                f"The model `{model}` does not exist (this server serves `{self.model}`)",
+                f"The model `{model}` does not exist (this server serves {served})",
                 code="model_not_found",
                 param="model",
             )
 
     # --- generation ----------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        req = p.completion_request(await _json_body(request))
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        req = p.completion_request(await _json_body(request), self.defaults)
+        request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
         many = len(req.prompts) > 1
         must_fit = req.max_tokens is not None  # an explicit max_tokens must fit the context
         inputs = [  # one engine request per prompt; its n completions are choices i*n .. i*n+n-1
@@ -184,6 +226,7 @@ class _Routes:
                 else {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
                 where=f"'prompt[{i}]'" if many else "'prompt'",
                 max_tokens_must_fit=must_fit,
+                add_special_tokens=req.add_special_tokens,
             )  # fmt: skip
             for i, prompt in enumerate(req.prompts)
         ]
@@ -202,11 +245,12 @@ class _Routes:
         return await self._generate(request, req, request_id, answer, add, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
-        req = p.chat_request(await _json_body(request))
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        req = p.chat_request(await _json_body(request), self.defaults)
+        request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
         chat = RequestInput(
             request_id, req.params, messages=req.messages, where="'messages'",
             max_tokens_must_fit=req.max_tokens is not None,
+            chat=self._chat_options(req.chat), add_special_tokens=req.add_special_tokens,
         )  # fmt: skip
 
         def add(engine: LLMEngine) -> None:  # on the engine thread: it owns the tokenizer
@@ -505,11 +549,13 @@ async def _json_body(request: Request) -> Any:
         raise p.bad_request(f"the request body is not valid JSON: {e}") from None
 
 
-def render_chat(engine: LLMEngine, messages: Any) -> tuple[str, list[int]]:
+def render_chat(
+    engine: LLMEngine, messages: Any, options: ChatOptions | None = None
+) -> tuple[str, list[int]]:
     """``/tokenize``'s chat: its prompt and token ids (``InputProcessor.render_chat``, the
     one place that renders chats, which the front door uses too); a model without a
     template, or messages it refuses, is a 400."""
     try:
-        return engine.inputs.render_chat(messages)
+        return engine.inputs.render_chat(messages, options)
     except ValueError as e:
         raise p.bad_request(f"{e}; use /v1/completions for plain prompts", "messages") from e

@@ -3,9 +3,10 @@ in one process, as in the tests, never share or collide).
 
 Updated by the engine thread only, as an observer of the engine loop
 (``records/observer.py``): ``finished`` per finished engine request, ``completed`` per
-micro-batch (each stage's compute time); and ``engine_state`` after every step (gauges read from the scheduler there, never from the HTTP thread). The
-bubble gauges (``bubble_window``) are computed at each scrape from the last minute's
-records.
+micro-batch (each stage's compute time); and ``engine_state`` after every step (gauges read
+from the scheduler there, never from the HTTP thread). The bubble gauges
+(``bubble_window``) are computed at each scrape from the last minute's records. vLLM's names
+for the concepts both have are exported beside ours (``vllm_metrics.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from sarathi_pp.engine import LLMEngine
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.records.observer import Observer
 from sarathi_pp.serve.bubble_window import BubbleCollector, BubbleWindow
+from sarathi_pp.serve.vllm_metrics import VllmMetrics
 
 # Seconds; a tiny CPU model answers in milliseconds, a large one in tens of seconds.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -68,6 +70,7 @@ class ServerMetrics(Observer):
             "sarathi_pp_stage_microbatches", "Micro-batches each stage ran", ["stage"], registry=r
         )
         self._num_preemptions_seen = 0
+        self.vllm = VllmMetrics(r)  # vLLM's names too (``name_model`` labels them)
 
     def watch_bubbles(self, window: BubbleWindow) -> None:
         """Export the pipeline's bubbles over the last minute, computed at each scrape."""
@@ -87,6 +90,7 @@ class ServerMetrics(Observer):
             self.tbt.observe(gap)
         if m.e2e_latency is not None:
             self.e2e.observe(m.e2e_latency)
+        self.vllm.finished(out, completion)
 
     # --- as an observer of the engine loop (``LLMEngine.add_observer``) ------------------
     def completed(
@@ -111,9 +115,13 @@ class ServerMetrics(Observer):
         self.kv_blocks_total.set(blocks.num_blocks)
         self.kv_blocks_used.set(blocks.num_blocks - blocks.num_free_blocks)
         num_preemptions = scheduler.num_preemptions
-        if num_preemptions > self._num_preemptions_seen:
-            self.preemptions.inc(num_preemptions - self._num_preemptions_seen)
+        new = max(0, num_preemptions - self._num_preemptions_seen)
+        if new:
+            self.preemptions.inc(new)
         self._num_preemptions_seen = num_preemptions
+        used = blocks.num_blocks - blocks.num_free_blocks
+        usage = used / blocks.num_blocks if blocks.num_blocks else 0.0
+        self.vllm.state(len(scheduler.running), len(scheduler.waiting), usage, new)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

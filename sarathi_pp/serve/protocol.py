@@ -8,42 +8,26 @@ shape), and the values themselves are checked once, by ``SamplingParams``.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from sarathi_pp.engine.input_processor import ChatOptions
 from sarathi_pp.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from sarathi_pp.sampling_params import MAX_LOGPROBS, SamplingParams
+from sarathi_pp.serve.request_fields import CHAT, COMPLETIONS, fields_of, refused_fields
 
-DEFAULT_MAX_TOKENS = 16
+# ``max_tokens`` when a request leaves it out, per endpoint, as vLLM's (v0.10.1
+# ``CompletionRequest.max_tokens = 16``; ``ChatCompletionRequest.max_tokens = None``, which
+# vLLM turns into the rest of the context): ``None`` runs to ``max_model_len``.
+DEFAULT_MAX_TOKENS: dict[str, int | None] = {COMPLETIONS: 16, CHAT: None}
 
-# Parameters the engine lacks: accepted when missing, null or at their default (the
-# predicate), refused with a 400 otherwise.
-_UNSUPPORTED: dict[str, Any] = {
-    "best_of": lambda v: v == 1 and not isinstance(v, bool),
-    "suffix": lambda v: v == "",
-    "tools": lambda v: v == [],
-    "functions": lambda v: v == [],
-    "tool_choice": lambda v: v == "none",
-    "parallel_tool_calls": lambda v: isinstance(v, bool),
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
-}
-
-
-# Every field a request may carry here (read, or refused above): anything else is ignored
-# with a warning naming it, as vLLM's server does (OpenAI's own fields it lacks, e.g.
-# ``metadata``, and a client's misspellings, e.g. ``max_token``, alike).
-_KNOWN_FIELDS = frozenset(
-    {
-        "model", "prompt", "messages", "stream", "stream_options", "max_tokens",
-        "max_completion_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed",
-        "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-        "logprobs", "top_logprobs", "echo", "min_tokens", "ignore_eos",
-        "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "user",
-        "allowed_token_ids", "bad_words", "truncate_prompt_tokens", *_UNSUPPORTED,
-    }
-)  # fmt: skip
+# The request fields, each honoured or refused: ``request_fields.py`` (a field outside it is
+# ignored with a warning naming it, as vLLM's server does: a client's misspelling, e.g.
+# ``max_token``, or a field newer than the list).
+_KNOWN_FIELDS = {endpoint: frozenset(fields_of(endpoint)) for endpoint in (COMPLETIONS, CHAT)}
 _MAX_NAMED = 16  # ignored fields named in one warning (a body is the client's to make)
 
 logger = logging.getLogger(__name__)
@@ -52,12 +36,12 @@ logger = logging.getLogger(__name__)
 # The fields of ``POST /tokenize`` and ``POST /detokenize`` (vLLM's).
 _TOKENIZE_FIELDS = frozenset(
     {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-     "return_token_strs"}
+     "continue_final_message", "chat_template", "chat_template_kwargs", "return_token_strs"}
 )  # fmt: skip
 _DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 
-def warn_ignored_fields(body: dict[str, Any], known: frozenset[str] = _KNOWN_FIELDS) -> None:
+def warn_ignored_fields(body: dict[str, Any], known: frozenset[str]) -> None:
     """Log the fields of ``body`` this server does not read (vLLM's warning)."""
     ignored = sorted(str(k)[:64] for k in body if k not in known)
     if ignored:
@@ -143,7 +127,12 @@ class GenerateRequest:
     include_usage: bool
     prompts: tuple[Prompt, ...] = ()
     messages: list[dict[str, Any]] | None = None
-    max_tokens: int | None = None  # as given (None: the default, 16)
+    max_tokens: int | None = None  # as given (None: the endpoint's default)
+    request_id: str | None = None  # vLLM's: the response id's suffix (None: a random one)
+    # vLLM's: the tokenizer's special tokens (BOS) added to the prompt (None: the default:
+    # a completion's yes, a chat's only where its template writes none)
+    add_special_tokens: bool | None = None
+    chat: ChatOptions | None = None  # a chat's rendering options
     echo: bool = False  # completions: each choice's text starts with its prompt
     echo_only: bool = False  # and ``max_tokens: 0``: it is only its prompt (vLLM's)
 
@@ -183,12 +172,15 @@ def _get(body: dict[str, Any], key: str, kind: str, default: Any = None) -> Any:
     return value
 
 
-def check_unsupported(body: dict[str, Any]) -> None:
-    for key, is_default in _UNSUPPORTED.items():
-        value = body.get(key)
-        if value is not None and not is_default(value):
+def check_unsupported(body: dict[str, Any], endpoint: str) -> None:
+    """A 400 naming the first refused field (``request_fields.py``) the request asks
+    something of: present, not null, and not one of its values that ask for nothing."""
+    for name, field in refused_fields(endpoint).items():
+        value = body.get(name)
+        if value is not None and not (field.no_op is not None and field.no_op(value)):
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
             raise bad_request(
-                f"'{key}'={value!r} is not supported by this server (only its default)", key
+                f"'{name}'={shown} is not supported by this server: {field.note}", name
             )
 
 
@@ -209,11 +201,19 @@ def sampling_params(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     echo: bool | None = None,
+    defaults: dict[str, Any] | None = None,
+    default_max_tokens: int | None = None,
 ) -> SamplingParams:
     """``echo``: completions' ``echo`` (``None``: the endpoint has none), with which
     ``max_tokens`` may be 0 (the prompt alone comes back, as vLLM: one token is generated
-    and dropped)."""
-    max_tokens = DEFAULT_MAX_TOKENS
+    and dropped). ``defaults``: the model folder's sampling defaults
+    (``LLMEngine.default_sampling``), for the fields the request leaves out;
+    ``default_max_tokens``: the endpoint's (``DEFAULT_MAX_TOKENS``)."""
+    d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+    d.update(defaults or {})
+    # An explicit null is the rest of the context, as vLLM (whose completions default, 16,
+    # applies only to a request without the field).
+    max_tokens = None if any(k in body for k in max_tokens_keys) else default_max_tokens
     for key in max_tokens_keys:  # the first one given wins
         if body.get(key) is not None:
             max_tokens = _get(body, key, "int")
@@ -223,7 +223,7 @@ def sampling_params(
                 least = "1" if echo is None else "0 with 'echo', else 1"
                 raise bad_request(f"'{key}' must be >= {least}, got {max_tokens}", key)
             break
-    top_k = _get(body, "top_k", "int", 0)
+    top_k = _get(body, "top_k", "int", d["top_k"])
     n = _get(body, "n", "int", 1)
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"'n' must be in [1, {MAX_CHOICES}], got {n}", "n")
@@ -233,22 +233,26 @@ def sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             max_tokens=max_tokens,
-            temperature=float(_get(body, "temperature", "number", 1.0)),
-            top_p=float(_get(body, "top_p", "number", 1.0)),
+            temperature=float(_get(body, "temperature", "number", d["temperature"])),
+            top_p=float(_get(body, "top_p", "number", d["top_p"])),
             top_k=0 if top_k == -1 else top_k,  # vLLM spells "off" -1
             # vLLM's extra parameters
             presence_penalty=float(_get(body, "presence_penalty", "number", 0.0)),
             frequency_penalty=float(_get(body, "frequency_penalty", "number", 0.0)),
-            repetition_penalty=float(_get(body, "repetition_penalty", "number", 1.0)),
-            min_p=float(_get(body, "min_p", "number", 0.0)),
+            repetition_penalty=float(
+                _get(body, "repetition_penalty", "number", d["repetition_penalty"])
+            ),
+            min_p=float(_get(body, "min_p", "number", d["min_p"])),
             min_tokens=_get(body, "min_tokens", "int", 0),
-            logit_bias=tuple(_logit_bias(body).items()),
+            logit_bias=_logit_bias(body),
             include_stop_str_in_output=_get(body, "include_stop_str_in_output", "bool", False),
             skip_special_tokens=_get(body, "skip_special_tokens", "bool", True),
+            spaces_between_special_tokens=_get(body, "spaces_between_special_tokens", "bool", True),
             seed=_get(body, "seed", "int"),
             stop=_stop(body),
             ignore_eos=_get(body, "ignore_eos", "bool", False),
             allowed_token_ids=_optional_tuple(_int_list(body, "allowed_token_ids")),
+            stop_token_ids=tuple(_int_list(body, "stop_token_ids") or ()),
             bad_words=_bad_words(body),
             truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", "int"),
         )
@@ -352,10 +356,15 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
     return [_message(i, m) for i, m in enumerate(messages)]
 
 
-def _common(body: Any, max_tokens_keys: tuple[str, ...], chat: bool) -> dict[str, Any]:
+def _common(
+    body: Any, max_tokens_keys: tuple[str, ...], chat: bool, defaults: dict[str, Any] | None
+) -> dict[str, Any]:
     _check_object(body)
-    check_unsupported(body)
-    warn_ignored_fields(body)
+    endpoint = CHAT if chat else COMPLETIONS
+    check_unsupported(body, endpoint)
+    warn_ignored_fields(body, _KNOWN_FIELDS[endpoint])
+    _get(body, "user", "str")
+    _get(body, "cache_salt", "str")  # no prefix cache: nothing to isolate
     stream = _get(body, "stream", "bool", False)
     options = _get(body, "stream_options", "dict", {})
     include_usage = options.get("include_usage", False)
@@ -364,10 +373,15 @@ def _common(body: Any, max_tokens_keys: tuple[str, ...], chat: bool) -> dict[str
     logprobs = _logprobs(body, chat)
     prompt_logprobs = _prompt_logprobs(body, stream, logprobs)
     echo = None if chat else body.get("echo") is True
-    params = sampling_params(body, max_tokens_keys, logprobs, prompt_logprobs, echo)
+    default_max_tokens = DEFAULT_MAX_TOKENS[CHAT if chat else COMPLETIONS]
+    params = sampling_params(
+        body, max_tokens_keys, logprobs, prompt_logprobs, echo, defaults, default_max_tokens
+    )
     given = any(body.get(key) is not None for key in max_tokens_keys)
     return {
         "model": _get(body, "model", "str"),
+        "request_id": _get(body, "request_id", "str"),
+        "add_special_tokens": _get(body, "add_special_tokens", "bool"),
         "params": params,
         "stream": stream,
         "include_usage": stream and include_usage,
@@ -375,10 +389,11 @@ def _common(body: Any, max_tokens_keys: tuple[str, ...], chat: bool) -> dict[str
     }
 
 
-def completion_request(body: Any) -> GenerateRequest:
+def completion_request(body: Any, defaults: dict[str, Any] | None = None) -> GenerateRequest:
     """``POST /v1/completions``: ``prompt`` as text, token ids, or a list of either (a
-    batch: one choice per prompt, ``index`` in prompt order)."""
-    common = _common(body, ("max_tokens",), chat=False)
+    batch: one choice per prompt, ``index`` in prompt order). ``defaults``: the model
+    folder's sampling defaults (``sampling_params``)."""
+    common = _common(body, ("max_tokens",), chat=False, defaults=defaults)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not all(_is_int(t) for t in prompt):
         if len(prompt) > MAX_PROMPTS:
@@ -411,13 +426,46 @@ def _prompt(prompt: Any, where: str) -> Prompt:
     )
 
 
-def chat_request(body: Any) -> GenerateRequest:
+def chat_request(body: Any, defaults: dict[str, Any] | None = None) -> GenerateRequest:
     """``POST /v1/chat/completions``: ``messages`` of ``{"role", "content"}`` (text content,
     or a list of ``{"type": "text", "text"}`` parts)."""
-    common = _common(body, ("max_completion_tokens", "max_tokens"), chat=True)
-    if body.get("echo") not in (None, False):
-        raise bad_request("'echo' is a completions parameter", "echo")
-    return GenerateRequest(messages=_messages(body.get("messages")), **common)
+    common = _common(body, ("max_completion_tokens", "max_tokens"), chat=True, defaults=defaults)
+    return GenerateRequest(
+        messages=_messages(body.get("messages")), chat=chat_options(body), **common
+    )
+
+
+# ``apply_chat_template``'s own parameters: not template variables (``chat_template_kwargs``)
+_TEMPLATE_CALL_ARGS = frozenset(
+    {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
+def chat_options(body: dict[str, Any]) -> ChatOptions:
+    """vLLM's chat rendering fields: ``add_generation_prompt`` (default true),
+    ``continue_final_message``, ``chat_template`` and ``chat_template_kwargs``."""
+    generation_prompt = _get(body, "add_generation_prompt", "bool", True)
+    continue_final = _get(body, "continue_final_message", "bool", False)
+    if generation_prompt and continue_final:
+        raise bad_request(
+            "'continue_final_message': true needs 'add_generation_prompt': false (the last "
+            "message is continued, not answered)", "continue_final_message",
+        )  # fmt: skip
+    kwargs = _get(body, "chat_template_kwargs", "dict", {})
+    clash = sorted(set(kwargs) & _TEMPLATE_CALL_ARGS)
+    if clash:
+        raise bad_request(
+            f"'chat_template_kwargs' may not set {', '.join(clash)} (the request's own "
+            "fields)", "chat_template_kwargs",
+        )  # fmt: skip
+    return ChatOptions(
+        add_generation_prompt=generation_prompt,
+        continue_final_message=continue_final,
+        chat_template=_get(body, "chat_template", "str"),
+        template_kwargs=dict(kwargs),
+    )
 
 
 @dataclass(frozen=True)
@@ -430,6 +478,7 @@ class TokenizeRequest:
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True  # ``prompt``: the tokenizer's own (BOS), as a completion
     return_token_strs: bool = False  # each token's string too (``token_strs``)
+    chat: ChatOptions | None = None  # ``messages``: vLLM's rendering fields
 
 
 def tokenize_request(body: Any) -> TokenizeRequest:
@@ -446,17 +495,12 @@ def tokenize_request(body: Any) -> TokenizeRequest:
         special = _get(body, "add_special_tokens", "bool", True)
         return TokenizeRequest(model, prompt, add_special_tokens=special, return_token_strs=strs)
     chat = _messages(messages)
-    if _get(body, "add_generation_prompt", "bool", True) is not True:
-        raise bad_request(
-            "'add_generation_prompt': false is not supported (a chat is tokenized as "
-            "/v1/chat/completions renders it)", "add_generation_prompt",
-        )  # fmt: skip
     if body.get("add_special_tokens") is not None:
         raise bad_request(
             "'add_special_tokens' applies to 'prompt'; a chat's special tokens are its "
             "template's", "add_special_tokens",
         )  # fmt: skip
-    return TokenizeRequest(model, messages=chat, return_token_strs=strs)
+    return TokenizeRequest(model, messages=chat, return_token_strs=strs, chat=chat_options(body))
 
 
 def detokenize_request(body: Any) -> tuple[str | None, list[int]]:
@@ -498,7 +542,42 @@ def _message(index: int, message: Any) -> dict[str, Any]:
         content = ""
     if not isinstance(content, str):
         raise bad_request(f"{where}.content must be a string, got {content!r}", "messages")
-    return {"role": message["role"], "content": content}
+    out: dict[str, Any] = {"role": message["role"], "content": content}
+    for key in ("name", "tool_call_id"):  # a tool's answer names its call
+        if message.get(key) is not None:
+            if not isinstance(message[key], str):
+                raise bad_request(f"{where}.{key} must be a string", "messages")
+            out[key] = message[key]
+    if message.get("tool_calls") is not None:  # an assistant's calls, for the template
+        out["tool_calls"] = _tool_calls(where, message["tool_calls"])
+    return out
+
+
+def _tool_calls(where: str, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, each ``{"id", "type": "function", "function":
+    {"name", "arguments"}}``, its ``arguments`` (OpenAI's JSON string) parsed into an object
+    as vLLM hands it to chat templates (which iterate over it)."""
+    if not isinstance(calls, list):
+        raise bad_request(f"{where}.tool_calls must be a list", "messages")
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(
+                f"{where}.tool_calls[{i}] must be {{'function': {{'name', 'arguments'}}}}",
+                "messages",
+            )
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise bad_request(
+                    f"{where}.tool_calls[{i}].function.arguments is not valid JSON: {args!r}",
+                    "messages",
+                ) from None
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
 
 
 # --- responses -----------------------------------------------------------------------------

@@ -39,16 +39,19 @@ class _Server(uvicorn.Server):
 
 def build_server(
     engine: LLMEngine,
-    served_model_name: str,
+    served_model_name: str | list[str],
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
     log_level: str = "info",
+    chat_template: str | None = None,
 ) -> uvicorn.Server:
-    """The server for ``engine`` (an ``LLMEngine``); ``server.run()`` serves until a stop
+    """The server for ``engine`` (an ``LLMEngine``) under ``served_model_name`` (one name
+    or several, as vLLM's ``--served-model-name``: each is accepted as a request's
+    ``model``, the first is the one responses carry); ``server.run()`` serves until a stop
     signal (or ``server.should_exit = True`` from another thread)."""
     engine_loop = EngineLoop(engine)
-    app = create_app(engine_loop, served_model_name, api_key)
+    app = create_app(engine_loop, served_model_name, api_key, chat_template)
     config = uvicorn.Config(
         app,
         host=host,

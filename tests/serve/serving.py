@@ -24,9 +24,17 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(model_dir: Path, api_key: str | None = None, **overrides: Any) -> Iterator:
+def running_server(
+    model_dir: Path,
+    api_key: str | None = None,
+    names: str | list[str] = MODEL,
+    chat_template: str | None = None,
+    **overrides: Any,
+) -> Iterator:
     engine = LLMEngine(load_config(None, model=str(model_dir), **overrides))
-    server = build_server(engine, MODEL, "127.0.0.1", free_port(), api_key, "warning")
+    server = build_server(
+        engine, names, "127.0.0.1", free_port(), api_key, "warning", chat_template
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -32,7 +32,51 @@ def test_serve_flags_and_defaults() -> None:
     args = build_parser().parse_args(
         ["serve", "--port", "9", "--api-key", "k", "--served-model-name", "n", "--set", "a.b=1"]
     )
-    assert (args.port, args.api_key, args.served_model_name) == (9, "k", "n")
+    assert (args.port, args.api_key, args.served_model_name) == (9, "k", ["n"])
+
+
+def test_vllm_flag_names_reach_the_config() -> None:
+    """Every vLLM flag name this CLI takes, as the config key it means (``vllm serve MODEL
+    ...`` habits); ``serve MODEL`` positional."""
+    from sarathi_pp.cli.common import config_from_args
+
+    argv = ["serve", "builtin:tiny-llama", "--max-model-len", "512",
+            "--gpu-memory-utilization", "0.5", "--max-num-seqs", "7", "--tokenizer", "tok",
+            "--block-size", "32", "-tp", "1", "-pp", "2", "--dtype", "half",
+            "--served-model-name", "a", "b", "--uvicorn-log-level", "warning",
+            "--scheduler", "vllm", "--max-num-batched-tokens", "1024"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    assert (args.model_tag, args.served_model_name, args.log_level) == (
+        "builtin:tiny-llama", ["a", "b"], "warning",
+    )  # fmt: skip
+    args.model = args.model_tag
+    c = config_from_args(args)
+    assert (c.model.path, c.model.max_model_len, c.model.tokenizer, c.model.dtype) == (
+        "builtin:tiny-llama", 512, "tok", "float16",
+    )  # fmt: skip
+    assert (c.cache.gpu_memory_utilization, c.cache.block_size) == (0.5, 32)
+    assert (c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens) == (7, 1024)
+    assert (c.parallel.pipeline_parallel_size, c.parallel.tensor_parallel_size) == (2, 1)
+    assert build_parser().parse_args(["serve", "--dtype", "float"]).dtype == "float32"
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["m", "--model", "other"], ["given twice", "'m'", "'other'"]),
+        (["m", "--enable-prefix-caching"], ["--enable-prefix-caching", "does not exist"]),
+        (["m", "--max-num-batched-tokens", "512"], ["chunk_size=512", "'sarathi'"]),
+        (["m", "-tp", "2"], ["tensor_parallel_size=2", "not"]),
+    ],
+)
+def test_vllm_flags_we_cannot_honour_are_refused_by_name(argv, words, capsys) -> None:
+    from sarathi_pp.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
 
 
 def _free_port() -> int:
@@ -58,8 +102,8 @@ def test_sigterm_stops_gracefully(llama_dir: Path, tmp_path: Path) -> None:
     port = _free_port()
     run_dir = tmp_path / "run"
     base = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "sarathi_pp", "serve", "--model", str(llama_dir)]
-    argv += ["--port", str(port), "--run-dir", str(run_dir), "--log-level", "warning"]
+    argv = [sys.executable, "-m", "sarathi_pp", "serve", str(llama_dir)]  # vLLM's positional
+    argv += ["--port", str(port), "--run-dir", str(run_dir), "--uvicorn-log-level", "warning"]
     env = {**os.environ, "SARATHI_PP_API_KEY": "secret"}
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -67,7 +111,7 @@ def test_sigterm_stops_gracefully(llama_dir: Path, tmp_path: Path) -> None:
         assert httpx.get(base + "/v1/models").status_code == 401
         headers = {"Authorization": "Bearer secret"}
         models = httpx.get(base + "/v1/models", headers=headers).json()
-        assert [m["id"] for m in models["data"]] == [str(llama_dir)]  # --model's value
+        assert [m["id"] for m in models["data"]] == [str(llama_dir)]  # MODEL's value
 
         body = {"prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": True}
         with httpx.stream(
@@ -117,3 +161,14 @@ def test_sigterm_stops_gracefully_after_the_pipeline_is_lost(llama_dir: Path, tm
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_chat_template_flag_is_a_file_or_a_template(tmp_path: Path) -> None:
+    from sarathi_pp.cli.serve import read_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages }}")
+    assert read_chat_template(str(path)) == "{{ messages }}"
+    assert read_chat_template("{% for m in messages %}{% endfor %}").startswith("{%")
+    with pytest.raises(FileNotFoundError, match="neither a file nor a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))

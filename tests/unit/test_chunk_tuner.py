@@ -95,6 +95,20 @@ def test_starts_from_the_added_requests():
     assert t.pd_ratio == (400 + 900) / (100 + 100)
 
 
+def test_a_request_without_max_tokens_is_no_prior():
+    """``max_tokens=None`` bounds the output by the context, it does not estimate it: the
+    request says nothing until it finishes."""
+    t = tuner(max_model_len=1000)
+    t.on_added(100, None)
+    assert t.pd_ratio is None and t.chunk_size == planned(t, t.config.max_chunk_size)
+    t.on_added(400, 100)
+    assert t.pd_ratio == 4.0
+    t.on_added(100, None)
+    assert t.pd_ratio == 4.0
+    t.on_finished(100, 50)  # observed once finished
+    assert t.pd_ratio != 4.0
+
+
 def test_an_early_stop_moves_the_estimate_by_one_slot():
     t = tuner()
     for _ in range(10):

@@ -254,7 +254,7 @@ def _params(**fields) -> list:
                         [
                             *CHUNK[:5],
                             [1, 0.5, 1, 0, None, 0, [], [], False, None, False, 0.0, False, True]
-                            + [0.0, 0.0, 1.0, 0, [], None, None, [], None, []],
+                            + [True, 0.0, 0.0, 1.0, 0, [], None, None, [], None, []],
                             0,
                             -1,
                             [],
@@ -265,7 +265,7 @@ def _params(**fields) -> list:
                     [],
                 ]
             ),
-            "max_tokens must be an integer >= 1",  # SamplingParams' own validation
+            "max_tokens must be None or an integer >= 1",  # SamplingParams' own validation
         ),
         (_packed(["stage_memory", 0, 1, 2, 3]), "expected the 5 fields of a StageMemory, got 4"),
         (

@@ -19,7 +19,24 @@ def test_normalisation():
     p = SamplingParams(stop="###", stop_token_ids=[2, 3], top_k=-1)
     assert p.stop == ("###",) and p.stop_token_ids == (2, 3) and p.top_k == 0
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
-    hash(p)  # immutable and hashable after normalisation
+
+
+def test_settable_as_vllms_and_checked_when_cloned():
+    """vLLM's documented ``params.temperature = 0.5`` works; a bad value set later is
+    refused, naming the field, when the params are used (``clone``: the engine's copy)."""
+    p = SamplingParams(logit_bias=[(7, 1), (2, -1)])
+    assert p.logit_bias == {2: -1.0, 7: 1.0}  # a dict, as vLLM's
+    p.temperature = 0.5
+    p.max_tokens = None
+    p.stop = "x"
+    q = p.clone()
+    assert (q.temperature, q.max_tokens, q.stop) == (0.5, None, ("x",)) and q is not p
+    q.logit_bias[3] = 1.0
+    assert 3 not in p.logit_bias  # the copy shares no container
+    p.top_p = 5.0
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 5.0") as e:
+        p.clone()
+    assert e.value.param == "top_p"
 
 
 @pytest.mark.parametrize(
@@ -67,8 +84,8 @@ def test_boundary_values_are_accepted():
     SamplingParams(top_p=1e-6, logprobs=None, n=1)
     SamplingParams(n=5, logprobs=0)
     SamplingParams(logprobs=20)
-    assert SamplingParams(logit_bias={5: 1, 2: -3.5}).logit_bias == ((2, -3.5), (5, 1.0))
-    assert hash(SamplingParams(logit_bias={5: 1})) == hash(SamplingParams(logit_bias=[(5, 1.0)]))
+    assert SamplingParams(logit_bias={5: 1, 2: -3.5}).logit_bias == {2: -3.5, 5: 1.0}
+    assert SamplingParams(logit_bias={5: 1}) == SamplingParams(logit_bias=[(5, 1.0)])
 
 
 def test_tiny_temperature_is_greedy_not_an_overflow():

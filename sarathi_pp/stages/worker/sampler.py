@@ -79,8 +79,8 @@ def processed_logits(
             if banned:
                 out[i, torch.tensor(banned, device=dev)] = lowest
         if p.logit_bias:
-            ids = torch.tensor([t for t, _ in p.logit_bias], device=dev)
-            bias = torch.tensor([b for _, b in p.logit_bias], device=dev)
+            ids = torch.tensor(list(p.logit_bias), device=dev)
+            bias = torch.tensor(list(p.logit_bias.values()), device=dev)
             keep = ids < vocab
             out[i, ids[keep]] += bias[keep].to(out.dtype)
         if num_outputs[i] < p.min_tokens:
