@@ -107,3 +107,17 @@ def test_the_values_tier_imports_only_the_standard_library_and_values():
                 continue
             offenders.append(f"{module} -> {imported}")
     assert offenders == []
+
+
+def test_every_module_of_the_package_is_in_a_tier():
+    """A new top-level module or package of sarathi_pp gets a place in the tiers contract
+    (a module outside every layer is constrained by none of them)."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    layers = config["tool"]["importlinter"]["contracts"][0]["layers"]
+    tiered = {name.strip() for layer in layers for name in layer.replace("|", ":").split(":")}
+    package = ROOT / "sarathi_pp"
+    top = {p.stem for p in package.glob("*.py") if p.stem not in ("__init__", "__main__")}
+    top |= {p.name for p in package.iterdir() if (p / "__init__.py").is_file()}
+    assert sorted(top - tiered) == []
