@@ -77,7 +77,10 @@ def unsupported(
         return None
     if backend == "flex_paged":
         if not flex_available():
-            return f"torch {torch.__version__} has no FlexAttention"
+            return (
+                f"torch {torch.__version__} has no FlexAttention whose "
+                "BlockMask.from_kv_blocks takes compute_q_blocks and seq_lengths"
+            )
         if device.type == "cuda" and not flex_block_size_ok(block_size):
             return f"its Triton kernels take KV blocks of a multiple of 16 tokens, not {block_size}"
         if device.type not in ("cpu", "cuda"):

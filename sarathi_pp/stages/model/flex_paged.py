@@ -40,14 +40,12 @@ block`` says whether sequence b holds it.
 
 from __future__ import annotations
 
-import logging
+import inspect
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
 import torch
-
-log = logging.getLogger(__name__)
 
 Q_BLOCK = 128  # query rows per sparse block: a multiple of every template's BLOCK_M
 DECODE_BUCKETS = (8, 16, 32, 64, 128, 256, 512)  # decode batch sizes compiled; above: x512
@@ -55,11 +53,14 @@ MAX_PREFILL_BUCKET = 8192  # chunks above it pad to a multiple of it
 
 
 def flex_available() -> bool:
+    """FlexAttention with the ``BlockMask.from_kv_blocks`` this module builds masks with
+    (``compute_q_blocks``, ``seq_lengths``)."""
     try:
-        from torch.nn.attention.flex_attention import BlockMask  # noqa: F401
+        from torch.nn.attention.flex_attention import BlockMask
     except ImportError:
         return False
-    return True
+    params = inspect.signature(BlockMask.from_kv_blocks).parameters
+    return "compute_q_blocks" in params and "seq_lengths" in params
 
 
 def flex_block_size_ok(block_size: int) -> bool:
