@@ -1,7 +1,7 @@
 """``flex_paged``: FlexAttention over the paged cache in place, for decode rows and prefill
 chunks, equals gather + SDPA (the ``torch`` backend) eagerly and compiled by inductor at
-the bucket shapes, in float32 and bfloat16, with no fallback (the record is strict: a
-fallback would raise). Its masks: a query block the Triton templates take, index tensors as
+the bucket shapes (a second micro-batch in the same buckets compiles nothing), in float32
+and bfloat16, with no fallback (the record is strict: a fallback would raise). Its masks: a query block the Triton templates take, index tensors as
 wide as one sequence's blocks (not the cache), no q-block indices, built once per
 micro-batch. A FlexAttention failure is a recorded fallback (strict: an error).
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
 from sarathi_pp.stages.model import attention
@@ -81,6 +82,13 @@ def test_flex_paged_equals_gather_sdpa(compiled, dtype):
     ref = gather_sdpa(microbatch, num_blocks, block_size, dtype)
     tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.float(), ref, **tol)
+    if compiled:  # another micro-batch in the same buckets (other starts, fewer decodes)
+        graphs = counters["stats"]["unique_graphs"]
+        other = MicroBatch(2, microbatch.chunks[1:2] + microbatch.chunks[3:5])
+        _, meta = build_metadata(other, block_size, torch.device("cpu"), "flex_paged")
+        rows = other.num_tokens
+        flex.forward(q[:rows], k[:rows], v[:rows], kc, vc, meta)
+        assert counters["stats"]["unique_graphs"] == graphs  # no recompile
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 32])

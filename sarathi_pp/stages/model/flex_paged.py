@@ -188,6 +188,8 @@ def prefill_block_mask(
     rows = prefill_bucket(num_tokens)
     num_q_blocks = rows // Q_BLOCK
     table = _padded_table(context_blocks.view(1, -1), 1, width)[0]
+    # a tensor, not an int: a compiled call would specialise on (recompile for) each start
+    first = torch.tensor(start, device=device)
     # q block i's last real row is at position start + min((i + 1) * Q_BLOCK, n) - 1
     last_row = torch.arange(1, num_q_blocks + 1, device=device) * Q_BLOCK
     last_pos = start + last_row.clamp(max=num_tokens) - 1
@@ -199,7 +201,7 @@ def prefill_block_mask(
         blk = kv_idx // block_size
         lb = phys_logical[blk]
         held = table[lb.clamp(min=0)] == blk
-        return (lb >= 0) & held & (lb * block_size + kv_idx % block_size <= start + q_idx)
+        return (lb >= 0) & held & (lb * block_size + kv_idx % block_size <= first + q_idx)
 
     return BlockMask.from_kv_blocks(
         kv_num_blocks.view(1, 1, num_q_blocks),
