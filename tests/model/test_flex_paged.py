@@ -120,8 +120,16 @@ def test_masks_are_built_once_per_microbatch_and_sized_to_a_sequence():
     assert d.kv_indices.shape == (decode_bucket(4), 1, 1, 8)  # one sequence's, not the cache's
     assert num_blocks > 8
     assert d.q_indices is None and d.q_num_blocks is None  # inference needs no q blocks
-    p = masks.prefill[1]  # 12 rows at positions 20..31: one query block, 2 KV blocks
-    assert p.kv_indices.shape == (1, 1, 1, 8) and p.kv_num_blocks.flatten().tolist() == [2]
+    # the decodes' blocks but the last are full (no mask_mod there); contexts 1, 34, 48, 32
+    assert d.full_kv_num_blocks.flatten().tolist()[:4] == [0, 2, 2, 1]
+    assert d.kv_num_blocks.flatten().tolist() == [1, 1, 1, 1] + [0] * (decode_bucket(4) - 4)
+    p = masks.prefill[1]  # 12 rows at positions 20..31: block 0 full, block 1 partial
+    assert p.kv_indices.shape == (1, 1, 1, 8)
+    assert p.full_kv_num_blocks.flatten().tolist() == [
+        1
+    ] and p.kv_num_blocks.flatten().tolist() == [1]
+    table = microbatch.chunks[1].block_table
+    assert p.full_kv_indices[0, 0, 0, 0] == table[0] and p.kv_indices[0, 0, 0, 0] == table[1]
 
 
 def test_buckets_bound_the_shapes():

@@ -18,7 +18,9 @@ a multiple of their ``BLOCK_M`` (16 or more), and KV blocks must be multiples of
 a query block of 1 left no valid choice on CUDA. The query block here is ``Q_BLOCK`` = 128
 (a decode's single row sits in one padded query block). The masks' index tensors are
 ``[batch, 1, q_blocks, width]`` with ``width`` = the blocks one sequence can hold
-(``max_blocks_per_seq``), fixed for the run, not the whole cache; no q-block indices are
+(``max_blocks_per_seq``), fixed for the run, not the whole cache; blocks wholly visible to a
+query block are listed as full (FlexAttention skips ``mask_mod`` there: a decode's every
+block but its last), the rest as partial; no q-block indices are
 built (``compute_q_blocks=False``: they serve only the backward pass). ``FlexMasks`` builds
 them once per micro-batch, on its ``AttentionMetadata``, for every layer of the stage.
 
@@ -159,10 +161,18 @@ def decode_block_mask(
         held = table[b, lb.clamp(min=0)] == blk
         return (lb >= 0) & held & (lb * block_size + kv_idx % block_size < lens[b])
 
-    kv_num_blocks = torch.zeros(rows, 1, 1, dtype=torch.int32, device=device)
-    kv_num_blocks[:num_seqs, 0, 0] = used.to(torch.int32)
+    # Every block but the last is full: the kernel skips mask_mod there; the last is partial.
+    used_rows = torch.zeros(rows, dtype=torch.int64, device=device)
+    used_rows[:num_seqs] = used
+    full_num_blocks = (used_rows - 1).clamp(min=0).to(torch.int32).view(rows, 1, 1)
+    kv_num_blocks = (used_rows > 0).to(torch.int32).view(rows, 1, 1)
+    kv_indices = torch.zeros(rows, 1, 1, width, dtype=torch.int32, device=device)
+    last = table.gather(1, (used_rows - 1).clamp(min=0)[:, None])
+    kv_indices[:, 0, 0, 0] = last[:, 0].clamp(min=0)
     return BlockMask.from_kv_blocks(
         kv_num_blocks,
+        kv_indices,
+        full_num_blocks,
         table.clamp(min=0).view(rows, 1, 1, width),
         BLOCK_SIZE=(Q_BLOCK, block_size),
         mask_mod=mask_mod,
@@ -190,12 +200,17 @@ def prefill_block_mask(
     table = _padded_table(context_blocks.view(1, -1), 1, width)[0]
     # a tensor, not an int: a compiled call would specialise on (recompile for) each start
     first = torch.tensor(start, device=device)
-    # q block i's last real row is at position start + min((i + 1) * Q_BLOCK, n) - 1
-    last_row = torch.arange(1, num_q_blocks + 1, device=device) * Q_BLOCK
-    last_pos = start + last_row.clamp(max=num_tokens) - 1
-    kv_num_blocks = torch.where(last_row - Q_BLOCK < num_tokens, last_pos // block_size + 1, 0).to(
-        torch.int32
-    )
+    # q block i's rows sit at positions start + i * Q_BLOCK .. start + min((i + 1) * Q_BLOCK,
+    # n) - 1: the blocks wholly at or before its first row are full for all of them (the
+    # kernel skips mask_mod there), the rest up to its last row's block partial.
+    first_row = torch.arange(num_q_blocks, device=device) * Q_BLOCK
+    real = first_row < num_tokens
+    last_pos = start + (first_row + Q_BLOCK).clamp(max=num_tokens) - 1
+    needed = torch.where(real, last_pos // block_size + 1, 0)
+    full = torch.where(real, (start + first_row + 1) // block_size, 0)
+    full_indices = table.clamp(min=0).expand(num_q_blocks, width)
+    shifted = (full[:, None] + torch.arange(width, device=device)).clamp(max=width - 1)
+    partial_indices = full_indices.gather(1, shifted)
 
     def mask_mod(b, h, q_idx, kv_idx):
         blk = kv_idx // block_size
@@ -204,8 +219,10 @@ def prefill_block_mask(
         return (lb >= 0) & held & (lb * block_size + kv_idx % block_size <= first + q_idx)
 
     return BlockMask.from_kv_blocks(
-        kv_num_blocks.view(1, 1, num_q_blocks),
-        table.clamp(min=0).expand(num_q_blocks, width).reshape(1, 1, num_q_blocks, width),
+        (needed - full).to(torch.int32).view(1, 1, num_q_blocks),
+        partial_indices.reshape(1, 1, num_q_blocks, width),
+        full.to(torch.int32).view(1, 1, num_q_blocks),
+        full_indices.reshape(1, 1, num_q_blocks, width),
         BLOCK_SIZE=(Q_BLOCK, block_size),
         mask_mod=mask_mod,
         seq_lengths=(rows, num_slots),
