@@ -2,17 +2,23 @@
 
 Decoder layers of Llama-2-7B's shape (hidden 4096, 32 heads of 128, MLP 11008; ``--layers``
 of them, default 4) run through the engine's own code (``DecoderLayer``, the attention
-backend ``select_backend`` picks, ``build_metadata`` on hand-made micro-batches, the paged
-``KVCache``), and this prints:
+backend ``auto`` chooses, ``build_metadata`` on hand-made micro-batches, the paged
+``KVCache``), and this prints, after every figure, the attention backend that ran it and
+every fallback so far (a figure measured on a fallback says so: Note [no silent fallback]):
 
 * the bf16 matmul rate measured here (the best of a few large GEMMs): the peak for MFU;
-* prefill MFU: one prompt chunk of 512-4096 tokens, layer FLOPs / time / matmul rate;
+* prefill MFU: one prompt chunk of 256-4096 tokens, layer FLOPs / time / matmul rate;
 * a tile-quantization curve: time per token of chunks around multiples of 128 rows;
 * the piggyback ratio (SARATHI's section 4.2): a decode token's cost in a hybrid step
   ((hybrid - prefill-only) / N) over its cost in a decode-only step (decode-only / N);
 * decode-only steps without and with a CUDA graph (the layers' forward captured once);
 * the control plane's L per micro-batch: the embedded model's engine on this device, the
   time per step outside ``ModelRunner.execute`` (scheduling, metadata, sampling return).
+* the embedded model end to end on the mixed reference workload
+  (``configs/workloads/mixed.yaml``, all at once): our engine's output tokens/s against
+  transformers' ``generate_batch`` on the same device, and their greedy token agreement in
+  the device's dtype (bf16 on CUDA; request by request, the first step they differ). Skipped,
+  saying why, when transformers has no continuous batching.
 
 ``--device cpu --tiny`` runs every part on tiny shapes on CPU (no CUDA graph): the smoke
 mode that tests/model/test_gpu_checks.py runs so the script cannot rot. Run from the
@@ -32,7 +38,8 @@ from results import Run, add_record_flag
 
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
 from sarathi_pp.model_spec import spec_from_dict
-from sarathi_pp.stages.model.attention import ATTENTION_BACKENDS, select_backend
+from sarathi_pp.stages.model.attention import make_backend
+from sarathi_pp.stages.model.backend_choice import AttentionRecord, choose_backend
 from sarathi_pp.stages.model.decoder_layer import DecoderLayer, layer_ops
 from sarathi_pp.stages.model.kv_cache import KVCache
 from sarathi_pp.stages.model.rope import RotaryEmbedding
@@ -67,10 +74,12 @@ class Layers:
     def __init__(self, cfg: dict, num_layers: int, block_size: int, device, dtype, blocks: int):
         self.spec = spec = spec_from_dict({**cfg, "num_hidden_layers": num_layers})
         self.device, self.dtype, self.block_size = device, dtype, block_size
-        self.backend = select_backend(device, block_size, dtype)
-        attention = ATTENTION_BACKENDS[self.backend](
-            spec.num_heads, spec.num_kv_heads, spec.head_dim
-        )
+        self.record = AttentionRecord(0, "torch")
+        self.backend = choose_backend("auto", device, dtype, block_size, self.record)
+        attention = make_backend(
+            self.backend, spec.num_heads, spec.num_kv_heads, spec.head_dim, self.record,
+            max_blocks_per_seq=-(-spec.max_position_embeddings // block_size),
+        )  # fmt: skip
         h, q, kv, inter = (spec.hidden_size, spec.num_heads * spec.head_dim,
                            spec.num_kv_heads * spec.head_dim, spec.intermediate_size)  # fmt: skip
         shapes = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
@@ -88,6 +97,13 @@ class Layers:
             num_layers, blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype, device
         )
         self.next_block = 0
+
+    def attention_line(self) -> str:
+        """``  attention: flex_paged, no fallback`` or the backend and every fallback."""
+        if not self.record.fallbacks:
+            return f"  attention: {self.record.backend}, no fallback"
+        lines = [f"  attention: {self.record.backend}, FELL BACK:"]
+        return "\n".join(lines + [f"    - {f}" for f in self.record.fallbacks])
 
     def table(self, num_tokens: int) -> tuple[int, ...]:
         n = -(-num_tokens // self.block_size)
@@ -185,6 +201,7 @@ def prefill_mfu(layers: Layers, peak: float, sizes: list[int], repeats: int, run
         headline = "GPU prefill MFU, 7B layer shapes" if not run.quick and n == sizes[-1] else None
         run.measure(f"prefill MFU, chunk {n} tokens", 100 * rate / peak, "%", better="higher",
                     headline=headline, detail=f"{t * 1e3:.2f} ms, {rate / 1e12:.3f} TFLOP/s")  # fmt: skip
+    print(layers.attention_line())
 
 
 def tile_curve(layers: Layers, around: list[int], repeats: int) -> None:
@@ -199,6 +216,7 @@ def tile_curve(layers: Layers, around: list[int], repeats: int) -> None:
             t = timed(lambda x=x, meta=meta: layers.run(x, meta), layers.device, repeats)
             line.append(f"{n}:{t / n * 1e6:.2f}")
     print("  " + "  ".join(line))
+    print(layers.attention_line())
 
 
 def piggyback(
@@ -224,6 +242,7 @@ def piggyback(
         added * 1e3, "ms", baseline=alone * 1e3, baseline_label="in a decode-only step",
         better="lower",
     )  # fmt: skip
+    print(layers.attention_line())
 
 
 def decode_graphs(layers: Layers, decodes: list[ScheduledChunk], repeats: int, run: Run) -> None:
@@ -237,6 +256,7 @@ def decode_graphs(layers: Layers, decodes: list[ScheduledChunk], repeats: int, r
     if layers.device.type != "cuda":
         print(msg + "; CUDA graph: skipped (not on CUDA)")
         run.measure(name, eager * 1e3, "ms", better="lower", detail="eager, no CUDA graph")
+        print(layers.attention_line())
         return
     try:
         stream = torch.cuda.Stream()
@@ -256,6 +276,7 @@ def decode_graphs(layers: Layers, decodes: list[ScheduledChunk], repeats: int, r
         print(msg + f"; CUDA graph capture failed: {type(e).__name__}: {str(e)[:200]}")
         run.measure(name, eager * 1e3, "ms", better="lower",
                     detail=f"eager; CUDA graph capture failed: {type(e).__name__}")  # fmt: skip
+    print(layers.attention_line())
 
 
 def control_plane(device: str, steps: int, run: Run) -> None:
@@ -290,6 +311,74 @@ def control_plane(device: str, steps: int, run: Run) -> None:
                 detail=f"embedded model; step compute {sum(inside) / n * 1e3:.2f} ms")  # fmt: skip
 
 
+def engine_vs_transformers(device: str, dtype: torch.dtype, tiny: bool, run: Run) -> None:
+    """The embedded model on the mixed workload: our engine vs transformers' generate_batch
+    (tokens/s), and their greedy tokens compared request by request."""
+    from sarathi_pp import LLM, SamplingParams
+    from sarathi_pp.bench.peer_hf import run_hf_peer
+    from sarathi_pp.bench.workload import load_workload
+    from sarathi_pp.stages.loader.builtin import resolve_builtin
+
+    model_dir = resolve_builtin("tiny-llama")
+    workload = load_workload("configs/workloads/mixed.yaml")
+    if tiny:
+        workload = workload.with_num_requests(2)
+    dtype_name = str(dtype).removeprefix("torch.")
+    with LLM(model_dir, device=device, dtype=dtype_name, max_model_len=2048) as llm:
+        requests = workload.requests(llm.engine.spec.vocab_size, 2048)
+        prompts = [list(r.prompt_token_ids) for r in requests]
+        params = SamplingParams(
+            max_tokens=requests[0].output_tokens, temperature=0.0, ignore_eos=True
+        )
+        llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+        t0 = time.perf_counter()
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        ours_s = time.perf_counter() - t0
+        runner = llm.engine.executor.runner
+        a = runner.attention
+        attention = (
+            "?"
+            if a is None
+            else a.backend
+            + (f", FELL BACK: {'; '.join(a.fallbacks)}" if a.fallbacks else ", no fallback")
+        )
+    num_tokens = sum(len(t) for t in ours)
+    line = (
+        f"end to end ({workload.name}, {len(requests)} requests, embedded model, {dtype_name}): "
+        f"ours {num_tokens / ours_s:,.0f} tokens/s (attention {attention})"
+    )
+    name = f"embedded model end to end, {workload.name} workload, {dtype_name}"
+    try:
+        peer = run_hf_peer(model_dir, requests, dtype=dtype_name, device=device)
+    except Exception as e:  # noqa: BLE001 - an older transformers: say so, keep the rest
+        print(line + f"; transformers: skipped ({type(e).__name__}: {str(e)[:160]})")
+        run.measure(name, num_tokens / ours_s, "tokens/s", better="higher",
+                    detail=f"attention {attention}; transformers skipped")  # fmt: skip
+        return
+    outs = peer.outputs
+    span = max(o.metrics.finished_time or 0.0 for o in outs) - min(
+        o.metrics.arrival_time for o in outs
+    )
+    theirs = [list(o.outputs[0].token_ids) if o.outputs else [] for o in outs]
+    hf_tokens = sum(len(t) for t in theirs)
+    print(line + f"; transformers {peer.mode} {hf_tokens / span:,.0f} tokens/s ({peer.note})")
+    run.measure(name, num_tokens / ours_s, "tokens/s", baseline=hf_tokens / span,
+                baseline_label=f"transformers {peer.mode}", better="higher",
+                detail=f"attention {attention}")  # fmt: skip
+    first_diff = [
+        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+        for x, y in zip(ours, theirs)
+    ]
+    same = sum(d is None and len(x) == len(y) for d, x, y in zip(first_diff, ours, theirs))
+    where = sorted(d for d in first_diff if d is not None)
+    print(
+        f"greedy agreement with transformers ({dtype_name}): {same}/{len(ours)} requests "
+        f"identical" + (f"; the others first differ at steps {where}" if where else "")
+    )
+    run.measure(f"greedy requests identical to transformers, {dtype_name}", same, "requests",
+                better="higher", detail=f"of {len(ours)}; first differences at {where}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     run = Run("gpu_checks", argv, quick=args.tiny, enabled=not args.no_record)
@@ -315,15 +404,17 @@ def main(argv: list[str] | None = None) -> None:
         f"{s.num_kv_heads} KV heads, MLP {s.intermediate_size}); block size {args.block_size}; "
         f"attention backend {layers.backend}"
     )
-    prefill_mfu(layers, peak, [32, 64] if tiny else [512, 1024, 2048, 4096], args.repeats, run)
+    prefill_mfu(layers, peak, [32, 64] if tiny else [256, 512, 1024, 2048, 4096], args.repeats, run)
     tile_curve(layers, [128] if tiny else [512, 1024, 2048], args.repeats)
     decodes = [fill(layers, i, context) for i in itertools.islice(itertools.count(1), num_decodes)]
     piggyback(layers, decodes, 64 if tiny else 1024, args.repeats, run)
     for n in sorted({1, min(8, num_decodes), num_decodes}):
         decode_graphs(layers, decodes[:n], args.repeats, run)
     control_plane(args.device, 8 if tiny else 32, run)
+    engine_vs_transformers(args.device, dtype, tiny, run)
     run.settings.update(device=name, layers=args.layers, block_size=args.block_size,
-                        repeats=args.repeats, backend=layers.backend)  # fmt: skip
+                        repeats=args.repeats, backend=layers.backend,
+                        attention_fallbacks=list(layers.record.fallbacks))  # fmt: skip
     if tiny:
         run.note("--tiny: tiny shapes, the smoke mode; no figure of a 7B layer.")
     run.write()

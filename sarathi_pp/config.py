@@ -20,6 +20,8 @@ from sarathi_pp.fault_injection import parse_faults
 GiB = 1 << 30
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+# The attention backends by name (``stages/model/attention.py``'s registry, plus "auto").
+ATTENTION_BACKEND_NAMES = ("auto", "torch", "cpu_paged", "flex_paged", "flash_attn")
 EXECUTORS = ("auto", "uniproc", "ray", "ray_compiled", "torchrun")
 # Executors that pass sampled tokens from the last stage to stage 0 (``schedule_ahead``).
 RING_EXECUTORS = ("uniproc", "ray")
@@ -62,6 +64,22 @@ class ModelConfig:
     """The engine-wide default seed: a sampled request without its own ``seed`` gets one
     derived from this and its order of arrival, so a rerun of the same requests samples the
     same tokens, however they are batched. ``None``: such requests draw fresh randomness."""
+    attention_backend: str = "auto"
+    """Which attention runs on every stage: ``torch`` (SDPA over K/V gathered from the paged
+    cache; anywhere), ``cpu_paged`` (C kernels that read the paged cache in place; CPU,
+    float32), ``flex_paged`` (FlexAttention over the paged cache in place, compiled, for
+    prefill chunks and decodes; CUDA with KV blocks of a multiple of 16 tokens, or CPU),
+    ``flash_attn`` (flash-attn's paged kernels; CUDA, float16/bfloat16, KV blocks of a
+    multiple of 256 tokens) or ``auto``: on CPU ``cpu_paged`` for float32 where its kernel
+    builds, else ``torch``; on CUDA ``flash_attn`` where installed and the dtype and block
+    size suit it (never for float32), else ``flex_paged``, else ``torch``. A backend that
+    cannot run where it was asked for falls back (to ``auto``'s choice, or per call to
+    gather + SDPA), logs a warning once per reason, and the run dir records it
+    (``summary.json``'s ``attention``: per stage, the backend and every fallback)."""
+    strict_attention_backend: bool = False
+    """Make every attention fallback an error: a backend that cannot run where it was asked
+    for fails the start, and one that fails on a micro-batch fails its requests, instead of
+    running another backend (a benchmark then measures what it names)."""
 
     def __post_init__(self) -> None:
         _check_opt_int("seed", self.seed, 0)
@@ -72,6 +90,16 @@ class ModelConfig:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         _check_opt_int("max_model_len", self.max_model_len, 1)
+        if self.attention_backend not in ATTENTION_BACKEND_NAMES:
+            raise ValueError(
+                f"unknown attention_backend {self.attention_backend!r}; valid: "
+                f"{', '.join(ATTENTION_BACKEND_NAMES)}"
+            )
+        if not isinstance(self.strict_attention_backend, bool):
+            raise ValueError(
+                "strict_attention_backend must be true or false, got "
+                f"{self.strict_attention_backend!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ the flat batch follow the order of ``chunks``: prefill chunks first, then decode
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 from sarathi_pp.sampling_params import SamplingParams
 
@@ -157,8 +157,19 @@ class PromptChunkLogprobs:
 
 
 @dataclass(frozen=True, slots=True)
+class AttentionReport:
+    """The attention backend a stage runs (``torch``, ``cpu_paged``, ``flex_paged``,
+    ``flash_attn``) and every fallback it took so far, each with its reason."""
+
+    backend: str
+    fallbacks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class StageEvent:
-    """One stage's timing of one micro-batch (absolute monotonic seconds until written)."""
+    """One stage's timing of one micro-batch (absolute monotonic seconds until written);
+    ``attention``: the stage's ``AttentionReport`` on the first micro-batch it runs and
+    whenever a new fallback was taken, else ``None``."""
 
     stage: int
     mb: int
@@ -170,13 +181,12 @@ class StageEvent:
     compute_start: float
     compute_end: float
     send_end: float
+    attention: AttentionReport | None = None
 
     def shifted(self, offset: float) -> StageEvent:
         """The same event with ``offset`` subtracted from every time."""
-        d = asdict(self)
-        for k in ("wait_start", "input_ready", "compute_start", "compute_end", "send_end"):
-            d[k] -= offset
-        return StageEvent(**d)
+        times = ("wait_start", "input_ready", "compute_start", "compute_end", "send_end")
+        return replace(self, **{k: getattr(self, k) - offset for k in times})
 
 
 @dataclass

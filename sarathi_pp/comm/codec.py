@@ -13,7 +13,8 @@ Wire form: msgpack (ints, floats, strings, lists only; no maps, no extension typ
     ``errors``, ``logprobs`` (``TokenLogprobs`` records) and ``prompt_logprobs``
     (``PromptChunkLogprobs`` records of ``TokenLogprobs``) as ``[[seq_id, value], ...]``,
     ``events`` as ``StageEvent`` records, ``failure`` a str or ``None``),
-    ``stage_event`` (``StageEvent``) and ``stage_memory`` (``StageMemory``).
+    ``stage_event`` (``StageEvent``, with an optional ``AttentionReport`` record) and
+    ``stage_memory`` (``StageMemory``).
 Lists of token ids and block ids are plain msgpack arrays of ints.
 
 Decoding checks every field's type (``bool`` is not an int here) and the record's own
@@ -32,6 +33,7 @@ from typing import Any
 import msgpack
 
 from sarathi_pp.microbatch import (
+    AttentionReport,
     MicroBatch,
     MicroBatchResult,
     PromptChunkLogprobs,
@@ -43,8 +45,9 @@ from sarathi_pp.sampling_params import SamplingParams
 from sarathi_pp.stage_memory import StageMemory
 
 # 2: prompt log-probabilities (chunk targets, step results); 3: M_A; 4: allowed_token_ids,
-# bad_words, truncate_prompt_tokens; 5: "step_result" renamed "microbatch_result"
-WIRE_VERSION = 5
+# bad_words, truncate_prompt_tokens; 5: "step_result" renamed "microbatch_result"; 6: a
+# stage event's attention report
+WIRE_VERSION = 6
 MAX_DEPTH = 8  # tuples inside tuples; the deepest real message is 2: ("ok", .., (result, event))
 
 
@@ -244,6 +247,7 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
         "microbatch",
         {"microbatch_id": INT, "chunks": _records(ScheduledChunk, tuple), "released": INTS},
     ),
+    AttentionReport: ("attention_report", {"backend": STR, "fallbacks": STRS}),
     StageEvent: (
         "stage_event",
         {
@@ -257,6 +261,7 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "compute_start": FLOAT,
             "compute_end": FLOAT,
             "send_end": FLOAT,
+            "attention": _optional(_record(AttentionReport)),
         },
     ),
     TokenLogprobs: (

@@ -72,7 +72,7 @@ class UniprocExecutor:
         result.events = [
             StageEvent(0, microbatch.microbatch_id, microbatch.kind, microbatch.num_prefill_tokens,
                        microbatch.num_decode_tokens, self._free_since, compute_start, compute_start,
-                       end, end)
+                       end, end, self.runner.take_attention_report())
         ]  # fmt: skip
         self._free_since = end
         self._done.append((microbatch, result))

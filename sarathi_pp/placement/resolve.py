@@ -56,6 +56,8 @@ class Placement:
     memory_source: str  # how M_G was obtained, for reports
     block_size: int  # tokens per KV block
     layer_ranges: tuple[tuple[int, int], ...]  # [layer_start, layer_end) per stage
+    attention_backend: str = "auto"  # model.attention_backend, as asked for
+    strict_attention_backend: bool = False  # model.strict_attention_backend
 
     @property
     def num_stages(self) -> int:
@@ -71,10 +73,14 @@ def resolve_placement(config: EngineConfig, spec: ModelSpec, resources: Resource
     dtype = resolve_dtype(config.model.dtype, device, resources)
     threads, threads_source = resolve_threads(config, device, resources)
     memory, memory_source = resolve_memory(config, device, resources)
-    block_size = config.cache.block_size or preferred_block_size(device, resources)
-    return Placement(
-        device, dtype, threads, threads_source, memory, memory_source, block_size, ranges
+    m = config.model
+    block_size = config.cache.block_size or preferred_block_size(
+        device, resources, dtype, m.attention_backend
     )
+    return Placement(
+        device, dtype, threads, threads_source, memory, memory_source, block_size, ranges,
+        m.attention_backend, m.strict_attention_backend,
+    )  # fmt: skip
 
 
 def resolve_device(device: str, num_stages: int, resources: Resources) -> str:
@@ -148,8 +154,12 @@ def check_cpu_budget(budget: int, num_stages: int, resources: Resources) -> None
     )
 
 
-def preferred_block_size(device: str, resources: Resources) -> int:
-    """256 where flash-attn's paged kernels will run, else 16."""
-    if device == "cuda" and resources.flash_attn:
+def preferred_block_size(
+    device: str, resources: Resources, dtype: str = "bfloat16", attention_backend: str = "auto"
+) -> int:
+    """256 where flash-attn's paged kernels will run (CUDA, installed, float16/bfloat16,
+    ``attention_backend`` auto or flash_attn), else 16."""
+    wants_flash = attention_backend in ("auto", "flash_attn") and dtype != "float32"
+    if device == "cuda" and resources.flash_attn and wants_flash:
         return FLASH_ATTN_BLOCK_SIZE
     return DEFAULT_BLOCK_SIZE

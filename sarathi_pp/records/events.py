@@ -4,8 +4,8 @@ One JSON object per line; the first line is the header. Times are seconds on one
 every process of the run (``time.monotonic()``: system-wide on one machine; a stage on
 another node has its offset measured and removed), relative to the header's ``t0``.
 
-Schema version 3 (``SCHEMA_VERSION``; a version 1 or 2 log, which lacks what is marked
-"since 2" or "since 3", still reads), by ``type``:
+Schema version 4 (``SCHEMA_VERSION``; a version 1, 2 or 3 log, which lacks what is marked
+"since 2", "since 3" or "since 4", still reads), by ``type``:
 
 ``header``  ``schema_version``, ``num_stages``, ``t0`` (absolute monotonic seconds),
             ``config`` (the resolved config as a mapping).
@@ -51,6 +51,11 @@ Schema version 3 (``SCHEMA_VERSION``; a version 1 or 2 log, which lacks what is 
             micro-batch on (``run.compact_events``: ``auto`` from the 2,000th, so a short
             run's log reads line by line and a simulated run of 600,000 micro-batches x 8
             stages writes 600,000 lines, not 5.4 million).
+``attention`` since 4 (optional: an older log has none), a stage's attention backend:
+            ``stage``, ``backend`` (the one that runs), ``fallbacks`` (every fallback so
+            far, each a reason; empty when none). Written before the micro-batch records
+            of the first micro-batch the stage ran and again whenever a new fallback came;
+            the last one per stage stands (``summary.json``'s ``attention``).
 """
 
 from __future__ import annotations
@@ -63,10 +68,11 @@ from typing import IO, Any
 
 from sarathi_pp.microbatch import StageEvent
 
-SCHEMA_VERSION = 3
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)  # an older log lacks the optional fields
+SCHEMA_VERSION = 4
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)  # an older log lacks the optional fields
 EVENT_TYPES = (
     "header", "stage", "issue", "idle", "done", "chunk_size", "requests_t0", "microbatch",
+    "attention",
 )  # fmt: skip
 # ``run.compact_events: auto``: completed micro-batches from this one on are compact records
 # (the same number of micro-batches the report's pictures draw at most).
@@ -138,6 +144,11 @@ class EventLog:
         self._sink.write(json.dumps(record) + "\n")
         if time.monotonic() - self._flushed_at >= self.FLUSH_EVERY_S:
             self.flush()
+
+    def attention(self, stage: int, backend: str, fallbacks: tuple[str, ...]) -> None:
+        self._add(
+            {"type": "attention", "stage": stage, "backend": backend, "fallbacks": list(fallbacks)}
+        )
 
     def stage(self, e: StageEvent) -> None:
         t0 = self.t0  # by hand, not asdict + shifted: one record per stage per micro-batch
@@ -231,6 +242,9 @@ class EventLog:
         event); ``wait``: the driver began waiting for them; ``full``: the in-flight limit
         held back a micro-batch the scheduler had work for."""
         events = result.events
+        for e in events:
+            if e.attention is not None:
+                self.attention(e.stage, e.attention.backend, e.attention.fallbacks)
         k, self._num_completed = self._num_completed, self._num_completed + 1
         if (
             self.compact_after is not None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -83,6 +83,9 @@ class RunLog:
     chunk_sizes: tuple[tuple[float, int], ...]  # (t, chunk_size) by t
     requests_t0: float | None = None  # requests.csv's origin on this clock (None: unknown)
     waits: tuple[Wait, ...] = ()  # by start; empty for an older log (no ``wait`` in ``done``)
+    # stage -> (backend, fallbacks): the last ``attention`` record of each stage; empty for an
+    # older log
+    attention: dict[int, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
 
     def by_mb(self, stage_idx: int) -> dict[int, StageEvent]:
         return {e.mb: e for e in self.stages[stage_idx]}
@@ -145,7 +148,28 @@ def parse_log(records: list[dict[str, Any]], source: str, copy: bool = True) -> 
                 key=lambda w: w.start,
             )
         ),
+        attention=dict(_attention(r, num_stages, source) for r in by_type.get("attention", [])),
     )
+
+
+def _attention(
+    r: dict[str, Any], num_stages: int, source: str
+) -> tuple[int, tuple[str, tuple[str, ...]]]:
+    stage, backend, fallbacks = r.get("stage"), r.get("backend"), r.get("fallbacks")
+    ok = (
+        isinstance(stage, int)
+        and 0 <= stage < num_stages
+        and isinstance(backend, str)
+        and isinstance(fallbacks, list)
+        and all(isinstance(f, str) for f in fallbacks)
+    )
+    if not ok or not isinstance(stage, int) or not isinstance(backend, str):
+        raise ValueError(
+            f"{_where(r, source)}: an attention record needs stage (0..{num_stages - 1}), "
+            f"backend (a str) and fallbacks (a list of str), got {stage!r}, {backend!r}, "
+            f"{fallbacks!r}"
+        )
+    return stage, (backend, tuple(fallbacks or ()))
 
 
 def _where(r: dict[str, Any], source: str) -> str:
@@ -237,7 +261,7 @@ def _stage_event(r: dict[str, Any], num_stages: int, source: str) -> StageEvent:
         kind=_kind(r, source),
         num_prefill_tokens=_int(r, "num_prefill_tokens", source),
         num_decode_tokens=_int(r, "num_decode_tokens", source),
-        **times,
+        **times,  # type: ignore[arg-type]
     )
 
 
@@ -270,7 +294,7 @@ def _compact(
                 f"{_where(r, source)}: stage {s} micro-batch {mb}: times "
                 "must satisfy compute_start <= compute_end <= send_end"
             )
-        events.append(StageEvent(s, mb, kind, p, d, *map(float, t)))
+        events.append(StageEvent(s, mb, kind, p, d, *map(float, t)))  # type: ignore[arg-type]
     done: dict[str, Any] = {k: r[k] for k in ("type", "mb", "t", "wait", "full", "_line") if k in r}
     return done, events
 

@@ -67,7 +67,21 @@ def build_summary(log: RunLog, analysis: BubbleAnalysis, rows: list[RequestRow])
         "prefill_split": analysis.prefill_split.as_dict(),
         "requests": requests_entry(log, rows),
         "chunk_size": chunk_size_summary(log),
+        "attention": attention_summary(log),
     }
+
+
+def attention_summary(log: RunLog) -> list[dict[str, Any]] | None:
+    """Per stage, in stage order, the attention backend that ran and every fallback it took
+    (``{"stage", "backend", "fallbacks"}``; ``backend`` None for a stage that recorded none);
+    ``None`` when the log has no ``attention`` record (an older or simulated run)."""
+    if not log.attention:
+        return None
+    out = []
+    for s in range(log.num_stages):
+        backend, fallbacks = log.attention.get(s, (None, ()))
+        out.append({"stage": s, "backend": backend, "fallbacks": list(fallbacks)})
+    return out
 
 
 def requests_entry(log: RunLog, rows: list[RequestRow]) -> dict[str, Any]:

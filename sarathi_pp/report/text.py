@@ -190,6 +190,20 @@ def chunk_size_text(summary: dict[str, Any]) -> str | None:
     )
 
 
+def attention_text(summary: dict[str, Any]) -> list[str]:
+    """``attention: stage 0 flex_paged, stage 1 flex_paged (no fallback)``, then one line per
+    fallback (``  stage 1 fell back: ...``); empty when the summary has none (older ones
+    lack the key)."""
+    entries = summary.get("attention")
+    if not entries:
+        return []
+    backends = ", ".join(f"stage {e['stage']} {e['backend'] or '?'}" for e in entries)
+    fallbacks = [(e["stage"], f) for e in entries for f in e["fallbacks"]]
+    lines = [f"attention: {backends}" + ("" if fallbacks else " (no fallback)")]
+    lines += [f"  stage {s} fell back: {f}" for s, f in fallbacks]
+    return lines
+
+
 def _chunk_cell(summary: dict[str, Any]) -> str:
     """``256``, or ``auto 256-512`` (the range the budget took)."""
     c = summary.get("chunk_size")
@@ -209,6 +223,7 @@ def format_run(name: str, summary: dict[str, Any]) -> str:
     chunk = chunk_size_text(summary)
     if chunk is not None:
         lines.append(chunk)
+    lines += attention_text(summary)
     if summary["steady_state"]:
         lines.append(
             f"steady-state window {w['start_s']:.4f}-{w['end_s']:.4f} s "

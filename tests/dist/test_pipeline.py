@@ -300,12 +300,20 @@ def test_torchrun_matches_pp1(llama_dir, tmp_path, scheduler, chunk_size, in_fli
     )  # fmt: skip
     if in_flight:
         cmd += ["--set", f"parallel.num_microbatches_in_flight={in_flight}"]
+    run = tmp_path / "run"
+    if not in_flight:  # each stage's attention report crosses the wire (comm/codec.py)
+        cmd += ["--run-dir", str(run), "--set", "model.attention_backend=torch"]
     for p in prompts:
         cmd += ["--prompt", p]
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if not in_flight:
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["attention"] == [
+            {"stage": s, "backend": "torch", "fallbacks": []} for s in (0, 1)
+        ]
     records = [json.loads(line) for line in out.read_text().splitlines()]
     with LLM(str(llama_dir), max_model_len=256, scheduler=scheduler, chunk_size=chunk_size,
              tile_align=False) as pp1:  # fmt: skip

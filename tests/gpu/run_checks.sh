@@ -4,7 +4,9 @@
 # Ray is not needed):
 #   1. the environment: device, torch, CUDA, flash-attn / Triton / Ray present or not;
 #   2. every test in tests/gpu/, with each skipped test and its reason (-rs);
-#   3. the figures of benchmarks/gpu_checks.py on 7B layer shapes (4 layers).
+#   3. the figures of benchmarks/gpu_checks.py on 7B layer shapes (4 layers), each with the
+#      attention backend that ran it and every fallback, then the embedded model end to end
+#      against transformers (tokens/s, greedy agreement in bf16).
 # --smoke: the same on CPU with tiny shapes (tests/model/test_gpu_checks.py runs it).
 # Usage: bash tests/gpu/run_checks.sh [--smoke]     (or: make gpu-check)
 set -uo pipefail
@@ -32,14 +34,15 @@ PY
 
 echo "== GPU tests (tests/gpu)"
 if "$PY" -c "import pytest" 2>/dev/null; then
-    timeout 200 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu || status=$?
+    # SIGINT, not TERM: pytest stops and still prints its summary (the tests that ran)
+    timeout -s INT 200 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu || status=$?
 else
     echo "pytest is absent: the GPU tests were NOT run"
     status=1
 fi
 
 echo "== figures (benchmarks/gpu_checks.py ${FIGURES[*]})"
-timeout 200 "$PY" benchmarks/gpu_checks.py "${FIGURES[@]}" || status=$?
+timeout -s INT 240 "$PY" benchmarks/gpu_checks.py "${FIGURES[@]}" || status=$?
 
 echo "== done (exit ${status})"
 exit "$status"

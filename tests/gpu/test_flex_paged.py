@@ -1,17 +1,25 @@
-"""CUDA decode attention without flash-attn: FlexAttention (compiled) over the paged cache in
-place equals SDPA over the same K/V laid out contiguously; the backend CUDA picks when
-flash-attn is missing; and a whole engine run on it matches Hugging Face. Skipped without a
-GPU (the same masks run eagerly on CPU in tests/model/test_paged_attention.py)."""
+"""CUDA attention without flash-attn: ``flex_paged`` (FlexAttention compiled by inductor to
+Triton) over the paged cache in place, decode rows and prefill chunks, equals gather + SDPA
+with no fallback (the record is strict: a fallback raises); the backend CUDA picks when
+flash-attn is missing; and a whole engine run on it matches Hugging Face, the run dir
+saying flex_paged ran with no fallback. Skipped without a GPU (the same code runs on CPU,
+eagerly and compiled, in tests/model/test_flex_paged.py). Unverified: never run on a GPU
+yet."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 from helpers import assert_greedy_match, hf_greedy
 
 from sarathi_pp import LLM, SamplingParams
-from sarathi_pp.stages.model import attention
-from sarathi_pp.stages.model.attention import ATTENTION_BACKENDS, AttentionMetadata, select_backend
+from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
+from sarathi_pp.stages.model import backend_choice
+from sarathi_pp.stages.model.attention import FlexPagedAttention, TorchAttention
+from sarathi_pp.stages.model.backend_choice import AttentionRecord, select_backend
+from sarathi_pp.stages.worker.metadata import build_metadata
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,74 +27,57 @@ pytestmark = [
 ]
 
 
-def paged_case(lens, block_size, heads, kv_heads, head_dim, dtype):
-    g = torch.Generator().manual_seed(block_size)
-    need = [-(-n // block_size) for n in lens]
-    num_blocks = sum(need) + 5
-    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=g)
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.zeros(len(lens), max(need), dtype=torch.long)
-    for i, n in enumerate(need):
-        tables[i, :n] = torch.tensor(order[:n])
-        order = order[n:]
-    q = torch.randn(len(lens), heads, head_dim, generator=g)
-    cuda = lambda t: t.to("cuda", dtype if t.is_floating_point() else t.dtype)  # noqa: E731
-    return cuda(q), cuda(k_cache), cuda(v_cache), cuda(tables)
-
-
-def reference(q, k_cache, v_cache, tables, lens, block_size):
-    outs = []
-    for i, n in enumerate(lens):
-        slots = tables[i, :, None] * block_size + torch.arange(block_size, device="cuda")
-        slots = slots.flatten()[:n]
-        k, v = (c[slots].transpose(0, 1)[None].float() for c in (k_cache, v_cache))
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q[i][None, :, None].float(), k, v, scale=q.shape[-1] ** -0.5, enable_gqa=True
-        )
-        outs.append(o[0, :, 0])
-    return torch.stack(outs)
+def hybrid(block_size: int) -> tuple[MicroBatch, int]:
+    """Two prefill chunks (one over a cached prefix) and decodes of mixed lengths."""
+    spans = [(0, 40, True), (300, 77, True), (0, 1, False), (16, 1, False), (512, 1, False)]
+    spans.append((2 * block_size - 1, 1, False))
+    num_blocks = sum(-(-(s + n) // block_size) for s, n, _ in spans) + 5
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
+    chunks = []
+    for seq_id, (start, n, prefill) in enumerate(spans):
+        need = -(-(start + n) // block_size)
+        table, order = tuple(order[:need]), order[need:]
+        chunks.append(ScheduledChunk(seq_id, start, tuple(range(n)), prefill, table))
+    return MicroBatch(1, tuple(chunks)), num_blocks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [1, 16, 256])
-def test_decode_without_flash_attn_equals_sdpa(monkeypatch, block_size, dtype):
-    monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
-    backend = select_backend(torch.device("cuda"), block_size)
-    assert backend == ("torch" if block_size == 1 else "flex_paged")
-    lens = [1, 17, 300, block_size, block_size + 1, 513]
-    q, k_cache, v_cache, tables = paged_case(lens, block_size, 8, 2, 64, dtype)
-    lens_t = torch.tensor(lens, device="cuda")
-    max_len = tables.shape[1] * block_size
-    meta = AttentionMetadata(
-        positions=lens_t - 1,
-        slot_mapping=torch.empty(0, dtype=torch.long, device="cuda"),
-        num_prefill_tokens=0,
-        prefills=[],
-        decode_blocks=tables,
-        decode_mask=(torch.arange(max_len, device="cuda") < lens_t[:, None])[:, None, None],
-        decode_lens=lens_t,
-        block_size=block_size,
-    )
-    attn = ATTENTION_BACKENDS[backend](8, 2, 64)
-    out = attn._decode(q, k_cache, v_cache, meta)
-    assert getattr(attn, "failed", None) is None  # FlexAttention ran (no silent fallback)
-    ref = reference(q, k_cache, v_cache, tables, lens, block_size)
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_flex_paged_equals_gather_sdpa(monkeypatch, block_size, dtype):
+    monkeypatch.setattr(backend_choice, "flash_attn_available", lambda: False)
+    assert select_backend(torch.device("cuda"), block_size, dtype) == "flex_paged"
+    microbatch, num_blocks = hybrid(block_size)
+    g = torch.Generator().manual_seed(2)
+    n = microbatch.num_tokens
+    q, k, v = (torch.randn(n, h, 64, generator=g) for h in (8, 2, 2))
+    kc, vc = torch.randn(2, num_blocks * block_size, 2, 64, generator=g).unbind(0)
+    q, k, v, kc, vc = (t.to("cuda", dtype) for t in (q, k, v, kc, vc))
+    cuda = torch.device("cuda")
+    _, meta = build_metadata(microbatch, block_size, cuda, "flex_paged")
+    record = AttentionRecord(0, "flex_paged", strict=True)
+    out = FlexPagedAttention(8, 2, 64, record).forward(q, k, v, kc.clone(), vc.clone(), meta)
+    assert record.fallbacks == []
+    _, meta = build_metadata(microbatch, block_size, cuda, "torch")
+    f = [t.float() for t in (q, k, v, kc, vc)]
+    ref = TorchAttention(8, 2, 64).forward(*f, meta)
     tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(out.float(), ref, **tol)
 
 
-def test_engine_on_flex_paged_matches_hf(monkeypatch, llama_dir):
-    monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
+def test_engine_on_flex_paged_matches_hf(monkeypatch, llama_dir, tmp_path):
+    monkeypatch.setattr(backend_choice, "flash_attn_available", lambda: False)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate((3, 40, 300))]
     with LLM(
         str(llama_dir), device="cuda", dtype="float32", block_size=16, chunk_size=64,
-        max_model_len=512,
+        max_model_len=512, run_dir=str(tmp_path / "run"),
+        **{"model.attention_backend": "flex_paged", "model.strict_attention_backend": True},
     ) as llm:  # fmt: skip
         assert llm.engine.executor.runner.backend == "flex_paged"
         outs = llm.generate(prompts, greedy, use_tqdm=False)
-        assert llm.engine.executor.runner.model.layers[0].attention.failed is None
+        llm.engine.write_run_records()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["attention"] == [{"stage": 0, "backend": "flex_paged", "fallbacks": []}]
     for out, p in zip(outs, prompts):
         ref, margins = hf_greedy(llama_dir, p, 12)
         assert_greedy_match(out.outputs[0].token_ids, ref, margins)

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from sarathi_pp.stages.kernels.cpu import paged_attention
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,5 +32,7 @@ def test_run_checks_smoke_mode():
     for figure in (
         "matmul rate", "prefill MFU", "tile quantization", "piggyback (",
         "decode-only step", "CUDA graph: skipped (not on CUDA)", "control plane",
+        "attention: cpu_paged, no fallback" if paged_attention.load_kernel() else "attention: torch",
+        "end to end (mixed, 2 requests", "greedy agreement with transformers (float32): ",
     ):  # fmt: skip
         assert figure in out, figure

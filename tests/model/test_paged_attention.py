@@ -3,8 +3,8 @@ out contiguously (both its AVX-512 and AVX2 builds): shuffled (non-contiguous) b
 a partial last block, GQA, head_dim 32 to 256, mixed context lengths, block sizes 1, 5, 16
 and 256; so does prefill-chunk attention (both builds), first and later chunks, block sizes
 1, 5, 16 and 256; and a whole hybrid micro-batch through the ``cpu_paged`` backend equals
-the ``torch`` backend. Without the kernel the backend falls back to ``torch``. The
-FlexAttention path (CUDA's without flash-attn) checked eagerly."""
+the ``torch`` backend. Without the kernel the backend falls back to ``torch``. FlexAttention
+(``flex_paged``) and the backend choice: ``test_flex_paged.py``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
 from sarathi_pp.stages.kernels.cpu import build as cpu_kernels
 from sarathi_pp.stages.kernels.cpu import paged_attention
 from sarathi_pp.stages.model.attention import ATTENTION_BACKENDS, select_backend
-from sarathi_pp.stages.model.flex_paged import flex_paged_decode
 from sarathi_pp.stages.worker.metadata import build_metadata
 
 needs_kernel = pytest.mark.skipif(
@@ -336,50 +335,3 @@ def test_select_backend_on_cpu():
     cpu = torch.device("cpu")
     assert select_backend(cpu, 16, torch.float32) == "cpu_paged"
     assert select_backend(cpu, 16, torch.bfloat16) == "torch"  # the kernel is float32 only
-
-
-@pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_flex_paged_decode_eager_equals_sdpa(block_size):
-    """The FlexAttention path's block mask and mask_mod, run eagerly on CPU (CUDA compiles
-    the same call: tests/gpu/test_flex_paged.py)."""
-    lens = [1, 17, 300, block_size, block_size + 1, 513]
-    q, k_cache, v_cache, tables = paged_case(lens, block_size, 8, 2, 64)
-    out = flex_paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens), block_size, 0.125)
-    ref = reference(q, k_cache, v_cache, tables, lens, block_size)
-    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
-
-
-def test_select_backend_on_cuda_without_flash_attn(monkeypatch):
-    from sarathi_pp.stages.model import attention
-
-    monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
-    cuda = torch.device("cuda")
-    assert select_backend(cuda, 16) == "flex_paged"
-    assert select_backend(cuda, 256) == "flex_paged"
-    assert select_backend(cuda, 8) == "torch"  # FlexAttention's KV blocks: multiples of 16
-    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
-    assert select_backend(cuda, 256) == "flash_attn"
-    assert select_backend(cuda, 16) == "flex_paged"
-
-
-def test_flex_failure_falls_back_to_gather(monkeypatch):
-    """A FlexAttention failure (e.g. a compiler error on some GPU) is logged once and the
-    backend answers with gather + SDPA from then on, with the same values."""
-    from sarathi_pp.stages.model import attention
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("no Triton here")
-
-    monkeypatch.setattr(attention, "flex_paged_decode", broken)
-    microbatch, num_blocks = hybrid_microbatch(16)
-    _, meta = build_metadata(microbatch, 16, torch.device("cpu"), "flex_paged")
-    g = torch.Generator().manual_seed(5)
-    n = microbatch.num_tokens
-    q, k, v = (torch.randn(n, h, 16, generator=g) for h in (8, 2, 2))
-    k_cache, v_cache = torch.randn(2, num_blocks * 16, 2, 16, generator=g).unbind(0)
-    flex = ATTENTION_BACKENDS["flex_paged"](8, 2, 16)
-    out = flex.forward(q, k, v, k_cache, v_cache, meta)
-    assert flex.failed == "RuntimeError: no Triton here"
-    ref = ATTENTION_BACKENDS["torch"](8, 2, 16).forward(q, k, v, k_cache, v_cache, meta)
-    assert torch.equal(out, ref)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from sarathi_pp.comm.codec import MAX_DEPTH, WIRE_VERSION, CodecError, decode, encode, record_fields
 from sarathi_pp.microbatch import (
+    AttentionReport,
     MicroBatch,
     MicroBatchResult,
     PromptChunkLogprobs,
@@ -96,6 +97,12 @@ stage_events = st.builds(
     compute_start=TIMES,
     compute_end=TIMES,
     send_end=TIMES,
+    attention=st.none()
+    | st.builds(
+        AttentionReport,
+        backend=st.sampled_from(["torch", "cpu_paged", "flex_paged", "flash_attn"]),
+        fallbacks=st.lists(st.text(max_size=40), max_size=3).map(tuple),
+    ),
 )
 LOGPROBS = st.floats(max_value=0.0, allow_nan=False)
 token_logprobs = st.integers(0, 5).flatmap(
@@ -165,6 +172,13 @@ def test_floats_are_exact_and_nan_travels():
     assert math.copysign(1, back.compute_end) == -1 and math.isnan(back.send_end)
 
 
+def test_an_attention_report_travels_with_its_stage_event():
+    report = AttentionReport("torch", ("flex_paged cannot run here: why", "another"))
+    event = StageEvent(1, 2, "decode", 0, 1, 0.0, 0.0, 0.0, 0.0, 0.0, report)
+    assert decode(encode(event)) == event
+    assert decode(encode(event.shifted(1.0))).attention == report
+
+
 @pytest.mark.parametrize(
     "cls",
     [
@@ -172,6 +186,7 @@ def test_floats_are_exact_and_nan_travels():
         ScheduledChunk,
         MicroBatch,
         StageEvent,
+        AttentionReport,
         TokenLogprobs,
         PromptChunkLogprobs,
         MicroBatchResult,

@@ -54,6 +54,11 @@ def test_block_size_follows_flash_attn_unless_set():
     assert place(flash).block_size == 256
     assert place(flash, device="cpu").block_size == 16  # flash-attn runs on CUDA only
     assert place(flash, block_size=32).block_size == 32
+    assert place(flash, dtype="float32").block_size == 16  # flash-attn takes fp16/bf16 only
+    assert place(flash, **{"model.attention_backend": "flex_paged"}).block_size == 16
+    assert place(flash, **{"model.attention_backend": "flash_attn"}).block_size == 256
+    p = place(flash, **{"model.attention_backend": "torch", "model.strict_attention_backend": True})
+    assert (p.attention_backend, p.strict_attention_backend) == ("torch", True)
 
 
 def test_cuda_asked_for_and_missing_names_the_counts():

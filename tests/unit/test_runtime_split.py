@@ -188,8 +188,8 @@ def test_event_log_writes_the_driver_fields_and_reads_both_versions(tmp_path):
     old = json.loads(lines[0]) | {"schema_version": 1}
     path.write_text("\n".join([json.dumps(old), *lines[1:]]))
     assert read_events(path)[0]["schema_version"] == 1
-    path.write_text("\n".join([json.dumps(old | {"schema_version": 4}), *lines[1:]]))
-    with pytest.raises(ValueError, match="schema version 4, this reader knows 1, 2, 3"):
+    path.write_text("\n".join([json.dumps(old | {"schema_version": 5}), *lines[1:]]))
+    with pytest.raises(ValueError, match="schema version 5, this reader knows 1, 2, 3, 4"):
         read_events(path)
 
 

@@ -23,18 +23,32 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from sarathi_pp.config import ATTENTION_BACKEND_NAMES
 from sarathi_pp.stages.kernels.cpu.paged_attention import (
     kernel_supports,
-    load_kernel,
     load_prefill,
     paged_decode,
     paged_prefill,
 )
-from sarathi_pp.stages.model.flex_paged import flex_block_size_ok, flex_paged_decode
+from sarathi_pp.stages.model.backend_choice import (  # noqa: F401 - re-exported
+    AttentionRecord,
+    flash_attn_available,
+    select_backend,
+)
+from sarathi_pp.stages.model.flex_paged import (  # noqa: F401 - flex_available re-exported
+    FlexMasks,
+    block_logical_map,
+    decode_block_mask,
+    flex_available,
+    flex_paged_decode,
+    flex_paged_prefill,
+    prefill_block_mask,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +81,8 @@ class AttentionMetadata:
     max_query_len: int = 0
     max_context_len: int = 0
     block_size: int = 0
+    # For flex_paged: the block masks, built by the micro-batch's first layer for all.
+    flex_masks: FlexMasks | None = None
 
 
 def write_kv(
@@ -86,7 +102,15 @@ class TorchAttention:
 
     name = "torch"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        record: AttentionRecord | None = None,
+    ) -> None:
+        # where this backend's fallbacks go (the stage's; a backend made alone keeps its own)
+        self.record = record or AttentionRecord(0, self.name)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -203,7 +227,10 @@ class CpuPagedAttention(TorchAttention):
     name = "cpu_paged"
 
     def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillSlice, block_size: int) -> torch.Tensor:
-        if load_prefill() is None or not kernel_supports(q, k_cache):
+        if load_prefill() is None:  # recorded once, when the backend was chosen
+            return super()._prefill(q, k, v, k_cache, v_cache, p, block_size)
+        if not kernel_supports(q, k_cache):
+            self.record.fallback(f"prefill: the paged kernel takes float32, not {q.dtype}")
             return super()._prefill(q, k, v, k_cache, v_cache, p, block_size)
         return paged_prefill(
             q[p.row_start : p.row_end], k_cache, v_cache, p.context_blocks, p.start, block_size,
@@ -211,8 +238,10 @@ class CpuPagedAttention(TorchAttention):
         )  # fmt: skip
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if not kernel_supports(q, k_cache) or meta.decode_lens is None:
+        if not kernel_supports(q, k_cache):
+            self.record.fallback(f"decode: the paged kernel takes float32, not {q.dtype}")
             return super()._decode(q, k_cache, v_cache, meta)
+        assert meta.decode_lens is not None  # decode rows have lengths
         assert meta.decode_blocks is not None
         return paged_decode(
             q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens, meta.block_size, self.scale
@@ -220,29 +249,101 @@ class CpuPagedAttention(TorchAttention):
 
 
 class FlexPagedAttention(TorchAttention):
-    """``torch``, except that decode rows read the paged cache in place with FlexAttention
-    (``flex_paged.flex_paged_decode``; compiled on CUDA)."""
+    """``torch``, except that decode rows and prefill chunks read the paged cache in place
+    with FlexAttention (``flex_paged.py``; compiled on CUDA, eager elsewhere unless
+    ``compiled``). The block masks are built once per micro-batch, by the first layer, and
+    kept on its metadata. A call that raises is a recorded fallback to gather + SDPA, and
+    that kind of row (decode, prefill) stays on gather + SDPA for the rest of the run."""
 
     name = "flex_paged"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim)
-        self.failed: str | None = None  # why FlexAttention failed here; then gather + SDPA
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        record: AttentionRecord | None = None,
+        max_blocks_per_seq: int | None = None,
+        compiled: bool | None = None,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, record)
+        self.max_blocks_per_seq = max_blocks_per_seq  # the masks' width; None: per micro-batch
+        self.compiled = compiled  # None: on CUDA
+        self.failed: dict[str, str] = {}  # "decode" / "prefill" -> why FlexAttention failed
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        assert meta.decode_blocks is not None and meta.decode_lens is not None
-        if self.failed is None:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        compiled = q.device.type == "cuda" if self.compiled is None else self.compiled
+        # inductor's CPU template wants index tensors spanning the whole cache (flex_cpu.py)
+        whole_cache = compiled and q.device.type == "cpu"
+        masks = self._masks(meta, k_cache.shape[0], whole_cache)
+        out = torch.empty_like(q)
+        for i, p in enumerate(meta.prefills):
+            rows = slice(p.row_start, p.row_end)
+            out[rows] = self._try(
+                "prefill",
+                partial(flex_paged_prefill, q[rows], k_cache, v_cache, masks.prefill[i],
+                        self.scale, compiled),
+                partial(self._prefill, q, k, v, k_cache, v_cache, p, meta.block_size),
+            )  # fmt: skip
+        if meta.decode_blocks is not None:
+            qd = q[meta.num_prefill_tokens :]
+            out[meta.num_prefill_tokens :] = self._try(
+                "decode",
+                partial(flex_paged_decode, qd, k_cache, v_cache, masks.decode, self.scale,
+                        compiled),
+                partial(self._decode, qd, k_cache, v_cache, meta),
+            )  # fmt: skip
+        return out.view(q.shape[0], -1)
+
+    def _try(self, kind: str, flex, fallback) -> torch.Tensor:
+        if kind not in self.failed:
             try:
-                return flex_paged_decode(
-                    q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens,
-                    meta.block_size, self.scale,
-                )  # fmt: skip
+                return flex()
             except Exception as e:  # noqa: BLE001 - a compiler failure must not fail requests
-                self.failed = f"{type(e).__name__}: {str(e)[:300]}"
-                log.warning(
-                    "FlexAttention paged decode failed, using gather + SDPA: %s", self.failed
-                )
-        return super()._decode(q, k_cache, v_cache, meta)
+                self.failed[kind] = f"{type(e).__name__}: {str(e)[:300]}"
+        self.record.fallback(f"{kind} rows run gather + SDPA: FlexAttention failed: "
+                             f"{self.failed[kind]}")  # fmt: skip
+        return fallback()
+
+    def _masks(self, meta: AttentionMetadata, num_slots: int, whole_cache: bool) -> FlexMasks:
+        """The micro-batch's block masks, built by its first layer (Note [flex block shapes]);
+        ``whole_cache``: their width is every block of the cache."""
+        if meta.flex_masks is not None:
+            return meta.flex_masks
+        bs = meta.block_size
+        tables = [p.context_blocks for p in meta.prefills]
+        if meta.decode_blocks is not None:
+            assert meta.decode_lens is not None
+            used = -(-meta.decode_lens // bs)
+            logical = torch.arange(meta.decode_blocks.shape[1], device=used.device)
+            tables.append(torch.where(logical < used[:, None], meta.decode_blocks, -1))
+        width = self.max_blocks_per_seq or _width(max(t.shape[-1] for t in tables))
+        if whole_cache:
+            width = num_slots // bs
+        phys_logical = block_logical_map(tables, num_slots // bs, meta.positions.device)
+        masks = FlexMasks()
+        for p in meta.prefills:
+            n = p.row_end - p.row_start
+            masks.prefill.append(
+                prefill_block_mask(p.context_blocks, p.start, n, bs, num_slots, width, phys_logical)
+            )
+        if meta.decode_blocks is not None:
+            assert meta.decode_lens is not None
+            masks.decode = decode_block_mask(
+                meta.decode_blocks, meta.decode_lens, bs, num_slots, width, phys_logical
+            )
+            masks.num_decodes = meta.decode_blocks.shape[0]
+        meta.flex_masks = masks
+        return masks
+
+
+def _width(max_blocks: int) -> int:
+    """A mask width for ``max_blocks`` when the run's is unknown: a power of two >= 16."""
+    w = 16
+    while w < max_blocks:
+        w *= 2
+    return w
 
 
 class FlashAttention(TorchAttention):
@@ -251,8 +352,14 @@ class FlashAttention(TorchAttention):
 
     name = "flash_attn"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim)
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        record: AttentionRecord | None = None,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, record)
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
         self._varlen = flash_attn_varlen_func
@@ -301,37 +408,20 @@ ATTENTION_BACKENDS = {
     "flex_paged": FlexPagedAttention,
     "flash_attn": FlashAttention,
 }
+assert set(ATTENTION_BACKENDS) == set(ATTENTION_BACKEND_NAMES) - {"auto"}
 
 
-def flash_attn_available() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def select_backend(device: torch.device, block_size: int, dtype: torch.dtype | None = None) -> str:
-    """On CPU ``cpu_paged`` for float32 when its kernel builds, else ``torch``. On CUDA
-    ``flash_attn`` when importable and the block size suits its paged kernels (a multiple
-    of 256), else ``flex_paged`` when FlexAttention takes the block size (a multiple of 16),
-    else ``torch``."""
-    if device.type == "cpu":
-        if dtype in (None, torch.float32) and load_kernel() is not None:
-            return "cpu_paged"
-        return "torch"
-    if device.type != "cuda":
-        return "torch"
-    if block_size % 256 == 0 and flash_attn_available():
-        return "flash_attn"
-    if flex_block_size_ok(block_size) and flex_available():
-        return "flex_paged"
-    return "torch"
-
-
-def flex_available() -> bool:
-    try:
-        from torch.nn.attention.flex_attention import BlockMask  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def make_backend(
+    name: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    record: AttentionRecord,
+    max_blocks_per_seq: int | None = None,
+) -> TorchAttention:
+    """The backend ``name`` for one stage (shared by its layers), its fallbacks into
+    ``record``; ``max_blocks_per_seq``: the most KV blocks one sequence holds (flex_paged's
+    mask width)."""
+    if name == "flex_paged":
+        return FlexPagedAttention(num_heads, num_kv_heads, head_dim, record, max_blocks_per_seq)
+    return ATTENTION_BACKENDS[name](num_heads, num_kv_heads, head_dim, record)

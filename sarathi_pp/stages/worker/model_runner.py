@@ -14,11 +14,18 @@ from pathlib import Path
 
 import torch
 
-from sarathi_pp.microbatch import MicroBatch, MicroBatchResult, PromptChunkLogprobs, TokenLogprobs
+from sarathi_pp.microbatch import (
+    AttentionReport,
+    MicroBatch,
+    MicroBatchResult,
+    PromptChunkLogprobs,
+    TokenLogprobs,
+)
 from sarathi_pp.model_spec import ModelSpec
 from sarathi_pp.placement import Placement
 from sarathi_pp.stage_memory import PROMPT_LOGITS_ROWS, StageMemory
-from sarathi_pp.stages.model.attention import ATTENTION_BACKENDS, select_backend
+from sarathi_pp.stages.model.attention import make_backend
+from sarathi_pp.stages.model.backend_choice import AttentionRecord, choose_backend
 from sarathi_pp.stages.model.kv_cache import KVCache
 from sarathi_pp.stages.model.llama import StageModel
 from sarathi_pp.stages.worker.device import check_free_cuda_memory
@@ -54,6 +61,8 @@ class StageSpec:
     num_threads: int | None = None  # CPU intra-op threads; None: torch's default
     token_ring: bool = False  # scheduling ahead: stage 0 and the last stage hold the ring
     prefault: bool = False  # cache.prefault: map the whole KV cache at start-up
+    attention_backend: str = "auto"  # model.attention_backend
+    strict_attention_backend: bool = False  # model.strict_attention_backend
 
     @classmethod
     def of(
@@ -71,7 +80,7 @@ class StageSpec:
         return cls(
             stage_idx, placement.num_stages, start, end, placement.dtype,
             device or placement.device, placement.memory_bytes, placement.num_threads,
-            token_ring, prefault,
+            token_ring, prefault, placement.attention_backend, placement.strict_attention_backend,
         )  # fmt: skip
 
     @property
@@ -96,6 +105,7 @@ class ModelRunner:
         self.model: StageModel | None = None
         self.kv: KVCache | None = None
         self.backend = "torch"
+        self.attention: AttentionRecord | None = None  # set with the KV cache
         self.penalties = PenaltyState()  # the last stage's: penalized sequences' tokens
 
     # --- set-up, in two steps: weights first, then the KV cache sized from what is left ---
@@ -141,11 +151,22 @@ class ModelRunner:
             prefault=self.stage.prefault,
         )
         self.block_size = block_size
-        self.backend = select_backend(self.device, block_size, self.dtype)
-        if self.backend != "torch":
-            attention = ATTENTION_BACKENDS[self.backend](s.num_heads, s.num_kv_heads, s.head_dim)
-            for layer in self.model.layers:
-                layer.attention = attention
+        # Note [no silent fallback] (stages/model/backend_choice.py)
+        self.attention = AttentionRecord(st.stage_idx, "torch", st.strict_attention_backend)
+        self.backend = choose_backend(
+            st.attention_backend, self.device, self.dtype, block_size, self.attention
+        )
+        attention = make_backend(
+            self.backend, s.num_heads, s.num_kv_heads, s.head_dim, self.attention,
+            max_blocks_per_seq=-(-(self.max_model_len + 1) // block_size),
+        )  # fmt: skip
+        for layer in self.model.layers:
+            layer.attention = attention
+
+    def take_attention_report(self) -> AttentionReport | None:
+        """The stage's attention backend and fallbacks when they changed since last taken
+        (the first call after ``init_kv_cache``: always), for its next ``StageEvent``."""
+        return self.attention.take_report() if self.attention is not None else None
 
     def release(self) -> None:
         """Drop the weights and the KV cache (the stage is shut down); on CUDA, hand the

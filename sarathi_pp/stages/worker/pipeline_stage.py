@@ -202,6 +202,7 @@ class PipelineStage:
             compute_start,
             compute_end,
             self._free_since,
+            self.runner.take_attention_report(),
         )
         return result, event
 
@@ -252,6 +253,7 @@ class PipelineStage:
             s.stage_idx, microbatch.microbatch_id, microbatch.kind,
             microbatch.num_prefill_tokens, microbatch.num_decode_tokens,
             min(wait_start, arrived), arrived, arrived, end, end,
+            self.runner.take_attention_report(),
         )  # fmt: skip
         events = [*events, event]
         if not s.is_last:
