@@ -214,6 +214,7 @@ def run_vllm_peer(
         )
         in_path.write_text(json.dumps(message))
         out_path.unlink(missing_ok=True)
+        # The peer's times are seconds since its own start: any base keeps every interval.
         start = time.monotonic()
         rc = _run(python, in_path, out_path, log_path, num_stages, num_threads, progress)
         records = read_records(out_path)
@@ -254,7 +255,7 @@ def _run(
 def _root_cause(log: str) -> str:
     """vLLM's engine fails in its worker processes and re-raises "see root cause above":
     the first ``...Error: ...`` line its workers logged (with a newline before), or ''."""
-    m = re.search(r"^.*?\] (\w*(?:Error|Exception): .*)$", log, re.MULTILINE)
+    m = re.search(r"^.*? ERROR .*?\] (\w*(?:Error|Exception): .*)$", log, re.MULTILINE)
     return "" if m is None else "\n" + m.group(1)
 
 
