@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from sarathi_pp.bench.peer_hf import PeerResult, _check_model_dir, _check_requests
 from sarathi_pp.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from sarathi_pp.records.run_dir import PEER_IN_FILE, PEER_LINES_FILE, PEER_LOG_FILE
 
 if TYPE_CHECKING:
     from sarathi_pp.bench.workload import BenchRequest
@@ -207,11 +208,8 @@ def run_vllm_peer(
     )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="sarathi-vllm-peer-") as tmp:
         where = Path(log_dir) if log_dir is not None else Path(tmp)
-        in_path, out_path, log_path = (
-            where / "peer-in.json",
-            where / "peer.jsonl",
-            where / "peer.log",
-        )
+        in_path, out_path = where / PEER_IN_FILE, where / PEER_LINES_FILE
+        log_path = where / PEER_LOG_FILE
         in_path.write_text(json.dumps(message))
         out_path.unlink(missing_ok=True)
         # The peer's times are seconds since its own start: any base keeps every interval.

@@ -12,6 +12,7 @@ import yaml
 
 from sarathi_pp.bench import peer_vllm
 from sarathi_pp.cli import main
+from sarathi_pp.records.run_dir import BenchDir
 from sarathi_pp.report.request_metrics import load_requests
 
 STUB = Path(__file__).parents[1] / "stubs" / "fake_vllm_python"
@@ -52,6 +53,8 @@ def test_bench_with_vllm_peer_writes_the_peer_records(llama_dir, tmp_path, stub,
     assert (out / "peer-vllm" / "peer.log").is_file()
     text = capsys.readouterr().out
     assert "sarathi / peer-vllm" in text and "tokens identical to sarathi's for" in text
+    BenchDir(out).clear()  # --overwrite's clearing takes the peer's own files too
+    assert not (out / "peer-vllm").exists()
 
 
 def test_a_vllm_peer_that_dies_keeps_the_records(llama_dir, tmp_path, stub, monkeypatch, capsys):
