@@ -79,3 +79,15 @@ def test_an_absent_vllm_venv_is_a_usage_error(llama_dir, tmp_path, monkeypatch, 
     err = capsys.readouterr().err
     assert "SARATHI_PP_VLLM_PYTHON" in err and "Traceback" not in err
     assert not (tmp_path / "bench" / "sarathi").exists()
+
+
+def test_bench_with_two_peers_side_by_side(llama_dir, tmp_path, stub):
+    rc, out = bench(llama_dir, tmp_path, "--peer", "hf,vllm")
+    assert rc == 0
+    comparison = json.loads((out / "comparison.json").read_text())
+    assert [r["name"] for r in comparison["runs"]] == ["sarathi", "peer-hf", "peer-vllm"]
+    assert [(r["a"], r["b"]) for r in comparison["ratios"]] == [
+        ("sarathi", "peer-hf"), ("sarathi", "peer-vllm"),
+    ]  # fmt: skip
+    # transformers runs the same weights greedy: every request agrees
+    assert comparison["runs"][1]["token_agreement"]["num_identical"] == 3
