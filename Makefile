@@ -61,7 +61,8 @@ serve-bench: venv
 # download.pytorch.org; VLLM_TORCH_INDEX= uses pip's own index), torchvision/torchaudio/
 # torchcodec removed (they break `import vllm` with that torch); VLLM_TARGET=cuda: the CUDA
 # vllm wheel. Idempotent (a stamp file). The peer preloads tcmalloc (apt-get install
-# libtcmalloc-minimal4) and the venv's libiomp5.so when it runs.
+# libtcmalloc-minimal4) and the venv's libiomp5.so when it runs. To switch builds (cpu <->
+# cuda), rm -rf .venv-vllm first.
 peer-vllm:
 	VENV=.venv-vllm scripts/peer_vllm_venv.sh
 
