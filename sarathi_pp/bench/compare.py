@@ -9,7 +9,8 @@
             requests: <summary.json "requests">,
             chunk_size: <summary.json "chunk_size"> | null (a peer, a whole-prompt policy),
             latency_comparable: bool, note: str,
-            capacity: <capacity result> | null}],
+            capacity: <capacity result> | null,
+            token_agreement (a peer): {num_identical, num_compared, first_mismatch}}],
     ratios: [{a, b, capacity_rps, generated_tokens_per_s, requests_per_s, ttft_p50, tbt_p99, ...}]
 
 A ratio is ``a / b`` of the figure: our run over the peer for every engine run, and the
@@ -89,6 +90,24 @@ def peer_run_entry(
     }
 
 
+def token_agreement(ours: dict[str, list[int]], peer: dict[str, list[int]]) -> dict[str, Any]:
+    """How many requests the peer generated token for token as our first scheduler did
+    (greedy on both sides): ``{num_identical, num_compared, first_mismatch}``, where
+    ``first_mismatch`` is ``{request_id, index}`` of the first differing request (its first
+    differing token) or ``None``. Requests missing on either side (failed) are not compared."""
+    ids = [i for i in ours if i in peer and peer[i]]
+    mismatch = None
+    num_identical = 0
+    for i in ids:
+        a, b = ours[i], peer[i]
+        if a == b:
+            num_identical += 1
+        elif mismatch is None:
+            index = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            mismatch = {"request_id": i, "index": index}
+    return {"num_identical": num_identical, "num_compared": len(ids), "first_mismatch": mismatch}
+
+
 def ratio_entry(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """``a / b`` for each figure in ``RATIO_FIGURES`` (``None`` when not comparable)."""
     comparable = a["latency_comparable"] and b["latency_comparable"]
@@ -149,9 +168,23 @@ def format_table(comparison: dict[str, Any]) -> str:
     for r in runs:
         if r["note"]:
             lines.append(f"{r['name']}: {r['note']}")
+    for r in runs:
+        if r.get("token_agreement"):
+            lines.append(_agreement_line(r["name"], runs[0]["name"], r["token_agreement"]))
     for ratio in comparison["ratios"]:
         lines.append(_ratio_line(ratio))
     return "\n".join(lines)
+
+
+def _agreement_line(name: str, ours: str, agreement: dict[str, Any]) -> str:
+    line = (
+        f"{name}: tokens identical to {ours}'s for {agreement['num_identical']}/"
+        f"{agreement['num_compared']} requests"
+    )
+    m = agreement.get("first_mismatch")
+    if m is not None:
+        line += f" (first difference: request {m['request_id']}, token {m['index']})"
+    return line
 
 
 def _bubble(overall: dict[str, Any] | None) -> str:

@@ -56,6 +56,7 @@ class PeerResult:
     mode: str  # "generate_batch" or "manager"
     latency_comparable: bool  # False: the runner marks the peer's latency columns
     note: str  # one line: what ran
+    error: str | None = None  # the peer could not run or finish: why (the outputs kept)
 
 
 @dataclass(frozen=True)

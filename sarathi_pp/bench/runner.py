@@ -75,11 +75,15 @@ def serve_run(
     requests: list[BenchRequest],
     run_dir: Path,
     progress: Callable[[int], None] | None = None,
+    outputs: list[RequestOutput] | None = None,
 ) -> dict[str, Any]:
     """``serve`` with the run's records (config, events, requests.csv, report) in
-    ``run_dir`` (an empty or new folder); the run's summary (``summary.json``)."""
+    ``run_dir`` (an empty or new folder); the run's summary (``summary.json``). ``outputs``,
+    when given, is extended with the requests' outputs."""
     engine.start_run(run_dir, overwrite=True)
-    serve(engine, requests, progress)
+    served = serve(engine, requests, progress)
+    if outputs is not None:
+        outputs.extend(served)
     summary = engine.write_run_records()
     assert summary is not None  # start_run opened the records
     return summary

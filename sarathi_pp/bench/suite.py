@@ -12,6 +12,7 @@ same number of threads our stages used together and the dtype they resolved.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from sarathi_pp.bench.compare import (
     engine_run_entry,
     format_table,
     peer_run_entry,
+    token_agreement,
 )
 from sarathi_pp.bench.peers import PEERS, peer_runner
 from sarathi_pp.bench.runner import serve_run
@@ -42,7 +44,7 @@ PEER_SUMMARY_VERSION = 1
 class BenchOptions:
     schedulers: tuple[str, ...]
     run_dir: Path
-    peer: str | None = None
+    peers: tuple[str, ...] = ()  # run after the schedulers, in order
     overwrite: bool = False
     capacity: bool = False
     slo: Slo | None = None
@@ -62,8 +64,11 @@ class BenchOptions:
                 raise ValueError(f"unknown scheduler {s!r}; valid: {', '.join(scheduler_names())}")
         if len(set(self.schedulers)) != len(self.schedulers):
             raise ValueError(f"a scheduler is listed twice: {', '.join(self.schedulers)}")
-        if self.peer is not None and self.peer not in PEERS:
-            raise ValueError(f"unknown peer {self.peer!r}; valid: {', '.join(PEERS)}")
+        for peer in self.peers:
+            if peer not in PEERS:
+                raise ValueError(f"unknown peer {peer!r}; valid: {', '.join(PEERS)}")
+        if len(set(self.peers)) != len(self.peers):
+            raise ValueError(f"a peer is listed twice: {', '.join(self.peers)}")
         if self.capacity and self.slo is None:
             raise ValueError("the capacity search needs an SLO: give --slo-tbt-p99 SECONDS")
         if (
@@ -75,7 +80,7 @@ class BenchOptions:
         for flag, v in (("--start-rate", self.start_rate), ("--time-limit", self.time_limit_s)):
             if v is not None and not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{flag} must be a number > 0, got {v!r}")
-        if self.capacity and self.peer is not None:
+        if self.capacity and self.peers:
             raise ValueError(
                 "the capacity search runs our schedulers only: drop --peer, or run the peer "
                 "without --capacity at a fixed rate (--rate)"
@@ -90,8 +95,14 @@ def peer_threads(placement: Placement) -> int | None:
     return placement.num_stages * placement.num_threads
 
 
+class PeerFailed(RuntimeError):
+    """A peer could not run or finish; the records (ours, the peer's finished requests, the
+    comparison) are written before this is raised."""
+
+
 class Bench:
-    """Runs the benchmark; ``run()`` returns the comparison (also written to disk)."""
+    """Runs the benchmark; ``run()`` returns the comparison (also written to disk) or,
+    when a peer failed, raises ``PeerFailed`` after writing it."""
 
     def __init__(
         self,
@@ -109,11 +120,17 @@ class Bench:
         self.dir = self.bench_dir.path
         self.engine: Any = None
         self.requests: list[BenchRequest] = []
+        self.tokens: dict[str, list[int]] = {}  # the first scheduler's tokens, by request id
+        self.peer_errors: list[str] = []
 
     def start(self) -> None:
-        """Load the stages and build and check every request: a bad workload raises
-        ``ValueError`` here, before any request runs."""
+        """Check the peers can run, load the stages and build and check every request: a
+        missing peer venv or a bad workload raises here, before any request runs."""
+        from sarathi_pp.bench.peers import check_peer
         from sarathi_pp.engine import LLMEngine
+
+        for peer in self.options.peers:
+            check_peer(peer)
 
         self.engine = LLMEngine(self.config)
         try:
@@ -133,11 +150,13 @@ class Bench:
             model_dir, placement = engine.model_dir, engine.placement
         finally:
             engine.shutdown()
-        if self.options.peer is not None:
-            runs.append(self._run_peer(model_dir, placement, requests))
+        for peer in self.options.peers:
+            runs.append(self._run_peer(peer, model_dir, placement, requests))
         comparison = build_comparison(runs, self._workload_entry(), self.config.to_dict())
         self.bench_dir.comparison.write_text(json.dumps(comparison, indent=2) + "\n")
         self._plots(runs)
+        if self.peer_errors:
+            raise PeerFailed("; ".join(self.peer_errors))
         return comparison
 
     def table(self, comparison: dict[str, Any]) -> str:
@@ -161,14 +180,24 @@ class Bench:
         run_dir = self.bench_dir.run(policy)
         if self.options.capacity:
             return self._capacity(engine, policy, run_dir)
-        summary = self._serve(engine, requests, run_dir.path, policy)
+        if not self.options.peers or self.tokens:
+            summary = self._serve(engine, requests, run_dir.path, policy)
+            return engine_run_entry(policy, policy, summary)
+        outputs: list[Any] = []  # the first scheduler's tokens: the peers' token agreement
+        summary = self._serve(engine, requests, run_dir.path, policy, outputs)
+        self.tokens = {o.request_id: list(o.outputs[0].token_ids) for o in outputs}
         return engine_run_entry(policy, policy, summary)
 
     def _serve(
-        self, engine: Any, requests: list[BenchRequest], run_dir: Path, desc: str
+        self,
+        engine: Any,
+        requests: list[BenchRequest],
+        run_dir: Path,
+        desc: str,
+        outputs: list[Any] | None = None,
     ) -> dict[str, Any]:
         with self._progress(desc, len(requests)) as progress:
-            return serve_run(engine, requests, run_dir, progress)
+            return serve_run(engine, requests, run_dir, progress, outputs)
 
     @contextmanager
     def _progress(self, desc: str, total: int) -> Iterator[Callable[[int], None] | None]:
@@ -217,12 +246,14 @@ class Bench:
 
     # --- the peer ------------------------------------------------------------------------
     def _run_peer(
-        self, model_dir: Any, placement: Placement, requests: list[BenchRequest]
+        self, peer: str, model_dir: Any, placement: Placement, requests: list[BenchRequest]
     ) -> dict[str, Any]:
-        run_peer = peer_runner(self.options.peer or "")
-        name = BenchDir.peer_name(self.options.peer or "")
+        run_peer = peer_runner(peer)
+        name = BenchDir.peer_name(peer)
         run_dir = self.bench_dir.run(name)
         run_dir.path.mkdir(exist_ok=True)
+        extra = {"num_stages": placement.num_stages, "log_dir": run_dir.path}
+        accepted = inspect.signature(run_peer).parameters
         with self._progress(name, len(requests)) as progress:
             result = run_peer(
                 model_dir,
@@ -230,20 +261,30 @@ class Bench:
                 dtype=placement.dtype,
                 num_threads=peer_threads(placement),
                 progress=progress,
+                **{k: v for k, v in extra.items() if k in accepted},
             )
         run_dir.write_requests(result.outputs)
+        agreement = token_agreement(
+            self.tokens, {o.request_id: list(o.outputs[0].token_ids) for o in result.outputs}
+        )
         summary = {
             "schema_version": PEER_SUMMARY_VERSION,
-            "peer": self.options.peer,
+            "peer": peer,
             "mode": result.mode,
             "latency_comparable": result.latency_comparable,
             "note": result.note,
+            "error": result.error,
+            "token_agreement": agreement,
             "requests": request_summary(load_requests(run_dir.requests)),
         }
         run_dir.summary.write_text(json.dumps(summary, indent=2) + "\n")
-        return peer_run_entry(
+        if result.error is not None:
+            self.peer_errors.append(f"{name}: {result.error}")
+        entry = peer_run_entry(
             name, name, summary["requests"], result.latency_comparable, result.note
         )
+        entry["token_agreement"] = agreement
+        return entry
 
     # --- outputs -------------------------------------------------------------------------
     def _workload_entry(self) -> dict[str, Any]:

@@ -4,6 +4,7 @@
         --schedulers sarathi,vllm,orca --run-dir runs/bench1
     sarathi-pp bench ... --capacity --slo-tbt-p99 0.5     # highest rate meeting the SLO
     sarathi-pp bench ... --peer hf                        # transformers' continuous batching
+    sarathi-pp bench ... --peer hf,vllm                   # and vLLM (make peer-vllm)
 
 Bad flags, configs, workloads and
 run dirs are usage errors (exit 2) raised before any model loads.
@@ -52,7 +53,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"workload: {workload.describe()}", file=sys.stderr)
         bench = Bench(config, workload, options, bar=progress_bar)
         bench.start()
-    comparison = bench.run()
+    from sarathi_pp.bench.suite import PeerFailed
+
+    try:
+        comparison = bench.run()
+    except PeerFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        print(f"the records so far are in {bench.dir}/ (comparison.json, one run dir per run)",
+              file=sys.stderr)  # fmt: skip
+        return 1
     print(bench.table(comparison))
     print(
         f"wrote {bench.dir}/ (comparison.json, tbt_cdf.png, ttft_cdf.png, one run dir per run)",

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from sarathi_pp.bench.peers import PEERS
+from sarathi_pp.bench.peers import PEERS, parse_peers
 
 RUN_DIRS_HELP = (
     "required: DIR/<scheduler>/ gets each run's records (what sarathi-pp report reads), "
@@ -25,7 +25,13 @@ def add_bench_args(p: argparse.ArgumentParser, peer: bool = True) -> None:
         "first is compared against each other one",
     )
     if peer:
-        g.add_argument("--peer", choices=PEERS, help="also run transformers' generate_batch")
+        g.add_argument(
+            "--peer",
+            metavar="NAME[,NAME]",
+            help=f"also serve the workload with a peer engine ({', '.join(PEERS)}: "
+            "transformers' continuous batching, vLLM from its own venv: make peer-vllm), "
+            "one or several, comma-separated",
+        )
     g.add_argument("--rate", type=float, metavar="REQ/S", help="Poisson arrivals at this rate")
     g.add_argument("--num-requests", type=int, metavar="N", help="override the workload's count")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -69,7 +75,7 @@ def options_from_args(args: argparse.Namespace, default_policy: str) -> Any:
     return BenchOptions(
         schedulers=parse_schedulers(args.schedulers) if args.schedulers else (default_policy,),
         run_dir=Path(args.run_dir),
-        peer=getattr(args, "peer", None),
+        peers=parse_peers(args.peer) if getattr(args, "peer", None) else (),
         overwrite=bool(args.overwrite),
         capacity=args.capacity,
         slo=slo,

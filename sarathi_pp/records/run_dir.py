@@ -52,6 +52,10 @@ CAPACITY_FILE = "capacity.json"
 PROBES_DIR = "probes"
 TBT_CDF_FILE = "tbt_cdf.png"
 TTFT_CDF_FILE = "ttft_cdf.png"
+# a peer run in a subprocess (the vLLM peer): its workload, its protocol lines, its output
+PEER_IN_FILE = "peer-in.json"
+PEER_LINES_FILE = "peer.jsonl"
+PEER_LOG_FILE = "peer.log"
 
 # times in seconds; *_s instants are relative to the run's first arrival; token_times:
 # every generated token's time after arrival, space-separated
@@ -65,7 +69,7 @@ REQUEST_COLUMNS = (
 
 RUN_FILES = (
     CONFIG_FILE, EVENTS_FILE, REQUESTS_FILE, SUMMARY_FILE, TRACE_FILE, TIMELINE_FILE,
-    PROFILE_FILE, CAPACITY_FILE,
+    PROFILE_FILE, CAPACITY_FILE, PEER_IN_FILE, PEER_LINES_FILE, PEER_LOG_FILE,
 )  # fmt: skip
 BENCH_FILES = (COMPARISON_FILE, TBT_CDF_FILE, TTFT_CDF_FILE)
 PEER_PREFIX = "peer-"

@@ -14,7 +14,7 @@ from sarathi_pp.sim.setup import SimSetup, build_cluster
 
 class SimBench(Bench):
     def __init__(self, config: Any, workload: Any, options: Any, setup: SimSetup, **kw: Any):
-        if options.peer is not None:
+        if options.peers:
             raise ValueError("a simulation has no peer: drop --peer")
         super().__init__(config, workload, options, **kw)
         self.setup = setup
