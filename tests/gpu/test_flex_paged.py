@@ -3,7 +3,7 @@ Triton) over the paged cache in place, decode rows and prefill chunks, equals ga
 with no fallback (the record is strict: a fallback raises); the backend CUDA picks when
 flash-attn is missing; and a whole engine run on it matches Hugging Face, the run dir
 saying flex_paged ran with no fallback. Skipped without a GPU (the same code runs on CPU,
-eagerly and compiled, in tests/model/test_flex_paged.py). Unverified: never run on a GPU
+eagerly and compiled, in tests/model/test_flex_paged_cpu.py). Unverified: never run on a GPU
 yet."""
 
 from __future__ import annotations
