@@ -261,7 +261,11 @@ def _stage_event(r: dict[str, Any], num_stages: int, source: str) -> StageEvent:
         kind=_kind(r, source),
         num_prefill_tokens=_int(r, "num_prefill_tokens", source),
         num_decode_tokens=_int(r, "num_decode_tokens", source),
-        **times,  # type: ignore[arg-type]
+        wait_start=times["wait_start"],
+        input_ready=times["input_ready"],
+        compute_start=times["compute_start"],
+        compute_end=times["compute_end"],
+        send_end=times["send_end"],
     )
 
 
@@ -294,7 +298,12 @@ def _compact(
                 f"{_where(r, source)}: stage {s} micro-batch {mb}: times "
                 "must satisfy compute_start <= compute_end <= send_end"
             )
-        events.append(StageEvent(s, mb, kind, p, d, *map(float, t)))  # type: ignore[arg-type]
+        wait_start, input_ready, compute_start, compute_end, send_end = map(float, t)
+        events.append(
+            StageEvent(
+                s, mb, kind, p, d, wait_start, input_ready, compute_start, compute_end, send_end
+            )
+        )
     done: dict[str, Any] = {k: r[k] for k in ("type", "mb", "t", "wait", "full", "_line") if k in r}
     return done, events
 
