@@ -3,6 +3,8 @@ background thread over an ``LLMEngine`` of the given model and config overrides.
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
 import threading
 import time
@@ -15,6 +17,21 @@ from sarathi_pp import LLMEngine, load_config
 from sarathi_pp.serve.server import build_server
 
 MODEL = "tiny"
+# A minimal chat template (the tiny models' byte tokenizer has none).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def with_chat_template(model_dir: Path, dest: Path) -> Path:
+    """A copy of ``model_dir`` at ``dest`` whose tokenizer config carries ``CHAT_TEMPLATE``."""
+    shutil.copytree(model_dir, dest)
+    config_path = dest / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return dest
 
 
 def free_port() -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -20,29 +19,19 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from serving import running_server  # noqa: E402
+from serving import running_server, with_chat_template  # noqa: E402
 
 from sarathi_pp import LLM, SamplingParams  # noqa: E402
 
 MODEL = "tiny"
 API_KEY = "test-key"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 GREEDY = {"temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
 def chat_model_dir(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with a chat template (the byte tokenizer has none)."""
-    path = tmp_path_factory.mktemp("chat") / "llama"
-    shutil.copytree(llama_dir, path)
-    config_path = path / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return path
+    return with_chat_template(llama_dir, tmp_path_factory.mktemp("chat") / "llama")
 
 
 @pytest.fixture(scope="module")

@@ -19,17 +19,13 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from serving import running_server  # noqa: E402
+from serving import running_server, with_chat_template  # noqa: E402
 
 from sarathi_pp import LLM, SamplingParams  # noqa: E402
 from sarathi_pp.serve.request_fields import FIELDS  # noqa: E402
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 96
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 PROMPT = "The pipeline"
 _MSG = [{"role": "user", "content": "hi"}]
 
@@ -37,13 +33,7 @@ _MSG = [{"role": "user", "content": "hi"}]
 @pytest.fixture(scope="module")
 def chat_dir(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with a chat template."""
-    path = tmp_path_factory.mktemp("habits") / "llama"
-    shutil.copytree(llama_dir, path)
-    config_path = path / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return path
+    return with_chat_template(llama_dir, tmp_path_factory.mktemp("habits") / "llama")
 
 
 @pytest.fixture(scope="module")
