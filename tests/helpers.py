@@ -234,3 +234,21 @@ def record_ahead(engine: Any) -> list[bool]:
     """From now on, for each micro-batch ``engine`` hands its executor, whether it was
     scheduled ahead (takes decode inputs over the token ring); the list fills as it runs."""
     return record_submits(engine, lambda microbatch: bool(microbatch.ring_sources))
+
+
+def paged_microbatch(
+    spans: Sequence[tuple[int, int, bool]], block_size: int, spare_blocks: int, seed: int
+) -> tuple[Any, int]:
+    """A micro-batch of one chunk per ``(start, num_tokens, is_prefill)`` span (sequence ids
+    0, 1, ...), each given the blocks it needs in an order shuffled by ``seed``, and the
+    cache's block count (what the spans need + ``spare_blocks``)."""
+    from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
+
+    num_blocks = sum(-(-(start + n) // block_size) for start, n, _ in spans) + spare_blocks
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    chunks = []
+    for seq_id, (start, n, prefill) in enumerate(spans):
+        need = -(-(start + n) // block_size)
+        table, order = tuple(order[:need]), order[need:]
+        chunks.append(ScheduledChunk(seq_id, start, tuple(range(n)), prefill, table))
+    return MicroBatch(1, tuple(chunks)), num_blocks

@@ -12,10 +12,10 @@ import json
 
 import pytest
 import torch
-from helpers import assert_greedy_match, hf_greedy
+from helpers import assert_greedy_match, hf_greedy, paged_microbatch
 
 from sarathi_pp import LLM, SamplingParams
-from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
+from sarathi_pp.microbatch import MicroBatch
 from sarathi_pp.stages.model import backend_choice
 from sarathi_pp.stages.model.attention import FlexPagedAttention, TorchAttention
 from sarathi_pp.stages.model.backend_choice import AttentionRecord, select_backend
@@ -31,14 +31,7 @@ def hybrid(block_size: int) -> tuple[MicroBatch, int]:
     """Two prefill chunks (one over a cached prefix) and decodes of mixed lengths."""
     spans = [(0, 40, True), (300, 77, True), (0, 1, False), (16, 1, False), (512, 1, False)]
     spans.append((2 * block_size - 1, 1, False))
-    num_blocks = sum(-(-(s + n) // block_size) for s, n, _ in spans) + 5
-    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
-    chunks = []
-    for seq_id, (start, n, prefill) in enumerate(spans):
-        need = -(-(start + n) // block_size)
-        table, order = tuple(order[:need]), order[need:]
-        chunks.append(ScheduledChunk(seq_id, start, tuple(range(n)), prefill, table))
-    return MicroBatch(1, tuple(chunks)), num_blocks
+    return paged_microbatch(spans, block_size, spare_blocks=5, seed=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import paged_microbatch
 from torch._dynamo.utils import counters
 
-from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
+from sarathi_pp.microbatch import MicroBatch
 from sarathi_pp.stages.model import attention
 from sarathi_pp.stages.model.attention import FlexPagedAttention, TorchAttention
 from sarathi_pp.stages.model.backend_choice import AttentionFallbackError, AttentionRecord
@@ -33,17 +34,9 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 def hybrid(block_size: int) -> tuple[MicroBatch, int]:
     """A first chunk, a later chunk over its cached prefix, and decodes of mixed lengths
     (one on a block boundary), their blocks handed out in shuffled order."""
-    g = torch.Generator().manual_seed(7)
     spans = [(0, 9, True), (20, 12, True), (0, 1, False), (33, 1, False), (47, 1, False)]
     spans.append((2 * block_size - 1, 1, False))
-    num_blocks = sum(-(-(start + n) // block_size) for start, n, _ in spans) + 3
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    chunks = []
-    for seq_id, (start, n, prefill) in enumerate(spans):
-        need = -(-(start + n) // block_size)
-        table, order = tuple(order[:need]), order[need:]
-        chunks.append(ScheduledChunk(seq_id, start, tuple(range(n)), prefill, table))
-    return MicroBatch(1, tuple(chunks)), num_blocks
+    return paged_microbatch(spans, block_size, spare_blocks=3, seed=7)
 
 
 def tensors(microbatch: MicroBatch, num_blocks: int, block_size: int, dtype: torch.dtype):
