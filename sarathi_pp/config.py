@@ -122,6 +122,11 @@ class CacheConfig:
     request) and no step pays a first touch (costly in VMs whose host backs memory on
     demand: Note [KV cache prefault]). Start-up takes longer by the cache's size over the
     page-fault rate. CUDA caches are always committed."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full blocks whose tokens (and every token before them) another
+    request computed already: blocks identified by a hash chained over the prefix, kept
+    after their requests finish and evicted least-recently-used (vLLM's automatic prefix
+    caching, on by default as there; ``--no-enable-prefix-caching`` turns it off)."""
 
     def __post_init__(self) -> None:
         _check_opt_int("block_size", self.block_size, 1)
@@ -134,6 +139,10 @@ class CacheConfig:
             )
         if not isinstance(self.prefault, bool):
             raise ValueError(f"prefault must be true or false, got {self.prefault!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -377,6 +386,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "cpu_memory_budget": ("cache", "cpu_memory_budget"),
     "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
     "prefault_kv_cache": ("cache", "prefault"),
+    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "scheduler": ("scheduler", "policy"),
     "chunk_size": ("scheduler", "chunk_size"),
     "min_chunk_size": ("scheduler", "min_chunk_size"),

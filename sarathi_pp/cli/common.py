@@ -38,6 +38,7 @@ OVERRIDE_FLAGS: dict[str, str] = {
     "max_num_batched_tokens": "max_num_batched_tokens",
     "tokenizer": "tokenizer",
     "block_size": "block_size",
+    "enable_prefix_caching": "enable_prefix_caching",
     "run_dir": "run_dir",
     "overwrite": "overwrite",
 }
@@ -114,8 +115,7 @@ def add_engine_args(parser: argparse.ArgumentParser, run_dirs: str | None = None
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="refused: prefix caching does not exist yet (--no-enable-prefix-caching is "
-        "accepted: what runs anyway)",
+        help="cache.enable_prefix_caching (on by default, as in vLLM)",
     )
     if run_dirs is None:
         g.add_argument("--run-dir", metavar="DIR", help="run.run_dir: where the run's records go")
@@ -201,11 +201,6 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The engine config: defaults < ``--config`` file < flags and ``--set``."""
-    if getattr(args, "enable_prefix_caching", None):
-        raise ValueError(
-            "--enable-prefix-caching: prefix caching does not exist in sarathi-pp yet "
-            "(every prompt is prefilled whole); drop the flag"
-        )
     return load_config(args.config, **config_overrides(args))
 
 

@@ -58,13 +58,16 @@ def test_vllm_flag_names_reach_the_config() -> None:
     assert (c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens) == (7, 1024)
     assert (c.parallel.pipeline_parallel_size, c.parallel.tensor_parallel_size) == (2, 1)
     assert build_parser().parse_args(["serve", "--dtype", "float"]).dtype == "float32"
+    for flag, on in (([], True), (["--no-enable-prefix-caching"], False)):
+        args = build_parser().parse_args(["serve", "m", *flag])
+        args.model = args.model_tag
+        assert config_from_args(args).cache.enable_prefix_caching is on
 
 
 @pytest.mark.parametrize(
     "argv, words",
     [
         (["m", "--model", "other"], ["given twice", "'m'", "'other'"]),
-        (["m", "--enable-prefix-caching"], ["--enable-prefix-caching", "does not exist"]),
         (["m", "--max-num-batched-tokens", "512"], ["chunk_size=512", "'sarathi'"]),
         (["m", "-tp", "2"], ["tensor_parallel_size=2", "not"]),
     ],
