@@ -23,6 +23,10 @@ class RequestMetrics:
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one per generated token
     num_preemptions: int = 0
+    # Prompt tokens read from the prefix cache at the request's first prefill start
+    # (vLLM's ``RequestOutput.num_cached_tokens``); ``None``: not looked up (prefix
+    # caching off, or the request wants its prompt's logprobs).
+    num_cached_tokens: int | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -98,3 +102,8 @@ class RequestOutput:
     # With ``SamplingParams.prompt_logprobs`` set: one entry per prompt token, once the
     # whole prompt has been computed (``None`` before, and otherwise, as vLLM)
     prompt_logprobs: PromptLogprobs | None = None
+
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """Prompt tokens read from the prefix cache (vLLM's name); ``None``: not looked up."""
+        return self.metrics.num_cached_tokens

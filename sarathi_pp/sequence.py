@@ -81,6 +81,11 @@ class Sequence:
         # (-1: none). Scheduling ahead issues a decode of that token before it is known.
         self.sampling_microbatch = -1
         self.block_table: list[int] = []
+        # Prefix caching (``scheduler/block_manager.py``): the chained names of the full
+        # blocks of ``token_ids`` computed so far, and how many leading blocks of
+        # ``block_table`` are published (found by content).
+        self.block_hashes: list[bytes] = []
+        self.num_published_blocks = 0
         self.admit_order = -1  # set at each admission; larger = admitted more recently
         self.last_scheduled_step = -1
         self.metrics = RequestMetrics(arrival_time=arrival_time)

@@ -170,6 +170,7 @@ class LLMEngine(PipelineRecovery):
             config, self.num_kv_blocks, self.block_size, self.max_model_len,
             self.config.parallel.microbatches_in_flight,  # decode groups: not the one ahead
             b, first_microbatch_id, self.config.parallel.decode_microbatches_in_flight,
+            self.config.cache.enable_prefix_caching,
         )  # fmt: skip
 
     def now(self) -> float:
@@ -370,7 +371,9 @@ class LLMEngine(PipelineRecovery):
         for seq_id, plp in result.prompt_logprobs.items():  # before the chunk's token
             if (seq := self.scheduler.seqs.get(seq_id)) is not None:
                 seq.add_prompt_logprobs(plp.first, plp.tokens)
-        updated = self.scheduler.on_step_done(microbatch, result.sampled, now)
+        updated = self.scheduler.on_step_done(
+            microbatch, result.sampled, now, failed=result.errors.keys()
+        )
         if result.logprobs:
             for got in updated:
                 if (lp := result.logprobs.get(got.seq_id)) is not None:

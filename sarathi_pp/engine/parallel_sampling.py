@@ -85,6 +85,10 @@ def merge(request_id: str, children: list[RequestOutput]) -> RequestOutput:
         finished_time=_latest(m.finished_time for m in ms) if finished else None,
         token_times=sorted(t for m in ms for t in m.token_times),
         num_preemptions=sum(m.num_preemptions for m in ms),
+        # the prompt is computed once at least: what its least lucky child read cached
+        num_cached_tokens=min(
+            (m.num_cached_tokens for m in ms if m.num_cached_tokens is not None), default=None
+        ),
     )
     errors = [c.error for c in children if c.error]
     first = children[0]

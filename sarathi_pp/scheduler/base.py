@@ -20,13 +20,13 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from sarathi_pp.config import SchedulerConfig
 from sarathi_pp.microbatch import RING_TOKEN, MicroBatch, ScheduledChunk
 from sarathi_pp.planner.memory import kv_decode_batch
 from sarathi_pp.planner.tuner import ChunkTuner
-from sarathi_pp.scheduler.block_manager import BlockManager
+from sarathi_pp.scheduler.block_manager import BlockManager, Lookup, blocks_for
 from sarathi_pp.sequence import Sequence, SequenceStatus
 
 # Why the scheduler had nothing to issue (recorded as bubble causes on stage 0).
@@ -63,13 +63,16 @@ class Scheduler(ABC):
         max_decode_batch: int | None = None,
         first_microbatch_id: int = 0,
         num_decode_microbatches_in_flight: int | None = None,
+        enable_prefix_caching: bool = False,
     ) -> None:
         """``max_decode_batch``: B of ``chunk_size: auto``'s plan (the engine's figure from
         the stages' memory); ``None`` = what ``num_blocks`` holds (``kv_decode_batch``).
         ``first_microbatch_id``: the id of the first micro-batch (a scheduler that replaces
         another on the same stages continues its ids: they stay unique per run).
         ``num_decode_microbatches_in_flight``: the limit while only decodes run
-        (``microbatch_limit``); ``None`` = ``num_microbatches_in_flight``."""
+        (``microbatch_limit``); ``None`` = ``num_microbatches_in_flight``.
+        ``enable_prefix_caching``: prefills start from the blocks other requests computed
+        already (``block_manager.py``; looked up when a prefill starts, ``_start_prefill``)."""
         self.config = config
         self.max_model_len = max_model_len
         self.num_microbatches_in_flight = num_microbatches_in_flight
@@ -78,7 +81,7 @@ class Scheduler(ABC):
             num_microbatches_in_flight,
         )
         self._decode_groups = num_microbatches_in_flight  # this schedule()'s limit
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()  # FCFS; preempted sequences go to the front
         self.running: list[Sequence] = []  # admitted, oldest admission first
         self.seqs: dict[int, Sequence] = {}  # every unfinished (or not yet freed) sequence
@@ -90,6 +93,7 @@ class Scheduler(ABC):
         self._ring_upto = -1  # the newest micro-batch whose tokens may be used ahead
         self._ahead: set[int] = set()  # sequences offered a decode ahead in this schedule()
         self._released: list[int] = []  # penalized sequences freed: the next micro-batch says
+        self._kv_failed: set[int] = set()  # sequences whose K/V a failed micro-batch left
         self.tuner: ChunkTuner | None = None  # set for ``chunk_size: auto``
         # Policies that run whole prompts ignore chunk_size, "auto" included (the configuration
         # guide: settings a policy does not use are accepted, so one config serves every policy).
@@ -148,9 +152,12 @@ class Scheduler(ABC):
         look), then O(running), stopping at the first that is ready."""
         if self._can_admit():
             first = next(self._iter_arrived(now), None)
-            n = first.num_pending_tokens if first is not None else 0
-            if first is not None and self._fit_tokens(first, n) == n:
-                return True
+            hit = self._lookup(first) if first is not None else None
+            if first is not None and hit is not None:
+                bm = self.block_manager
+                need = blocks_for(first.num_tokens, bm.block_size) - len(hit.blocks)
+                if need + bm.num_new_blocks(hit) <= bm.num_free_blocks:
+                    return True
         for s in self.running:
             if s.is_schedulable:
                 need = 1 if self.chunks_prompts or s.is_decode else s.num_pending_tokens
@@ -201,6 +208,7 @@ class Scheduler(ABC):
     def _release_if_idle(self, seq: Sequence) -> None:
         if seq.is_finished and seq.num_inflight == 0:
             self.block_manager.free(seq)
+            self._kv_failed.discard(seq.seq_id)
             if self.seqs.pop(seq.seq_id, None) is not None and seq.params.keeps_tokens:
                 self._released.append(seq.seq_id)
 
@@ -224,14 +232,27 @@ class Scheduler(ABC):
         """Pick (sequence, num_tokens) pairs; blocks for them must already be reserved."""
 
     def on_step_done(
-        self, microbatch: MicroBatch, sampled: dict[int, int], now: float
+        self,
+        microbatch: MicroBatch,
+        sampled: dict[int, int],
+        now: float,
+        failed: Collection[int] = (),
     ) -> list[Sequence]:
-        """Account a finished micro-batch; returns the live sequences that received a token."""
+        """Account a finished micro-batch; returns the live sequences that received a token.
+        ``failed``: sequences the micro-batch failed on (per-request isolation): the K/V of
+        their chunks was not written, nor that of their chunks in the micro-batches behind
+        (run without them), so none of their blocks is published from now on (an aborted
+        sequence's chunks in flight still run: its failure is not only ``FINISHED_ERROR``)."""
+        bm = self.block_manager
         for chunk in microbatch.chunks:
             seq = self.seqs_by_id(chunk.seq_id)
             seq.num_inflight -= 1
             if seq.sampling_microbatch == microbatch.microbatch_id:
                 seq.sampling_microbatch = -1
+            if seq.seq_id in failed:
+                self._kv_failed.add(seq.seq_id)
+            if seq.seq_id not in self._kv_failed:
+                bm.publish(seq, chunk.start + chunk.num_tokens)
         updated = []
         for seq_id, token in sampled.items():
             seq = self.seqs_by_id(seq_id)
@@ -277,6 +298,7 @@ class Scheduler(ABC):
         requeued = list(self.running)
         for seq in requeued:
             self._preempt(seq)
+        self.block_manager.reset_prefix_cache()  # the new stages' caches are empty
         # Every preempted sequence (now, with the lost micro-batches, or before) is at the
         # front of the queue: there in admission order, ahead of those never admitted.
         front = []
@@ -357,6 +379,42 @@ class Scheduler(ABC):
     def _can_admit(self) -> bool:
         return len(self.running) < self.config.max_num_seqs
 
+    def _lookup(self, seq: Sequence) -> Lookup | None:
+        """The cached blocks a waiting sequence's prefill may start from, or ``None``: the
+        block after them is being written by a micro-batch in flight (another request's
+        prefill of the same prefix), so starting now would compute it twice; it is
+        published when that micro-batch completes. A request that wants its prompt's
+        logprobs computes its whole prompt (as in vLLM)."""
+        if seq.wants_prompt_logprobs:
+            return Lookup()
+        hit = self.block_manager.lookup(seq)
+        return None if hit.wait else hit
+
+    def _start_prefill(self, seq: Sequence, now: float) -> bool | None:
+        """Admit the waiting ``seq`` if every block of its prompt (or recompute) is free or
+        cached, reserve them all, and start it after its cached prefix (``_lookup``).
+        False: no room (FCFS stops here); ``None``: it waits for a prefix being written
+        (the requests behind it may go first)."""
+        if not self._can_admit():
+            return False
+        hit = self._lookup(seq)
+        if hit is None:
+            return None
+        bm = self.block_manager
+        need = blocks_for(seq.num_tokens, bm.block_size) - len(hit.blocks)
+        if need + bm.num_new_blocks(hit) > bm.num_free_blocks:
+            return False
+        self._admit(seq, now)
+        cached = 0
+        if bm.enable_prefix_caching and not seq.wants_prompt_logprobs:
+            cached = bm.take_hit(seq, hit)
+            if seq.metrics.num_cached_tokens is None:  # the first lookup's, as vLLM's
+                seq.metrics.num_cached_tokens = cached
+        seq.num_scheduled_tokens = cached
+        bm.grow(seq, seq.num_tokens)
+        bm.expect(seq)
+        return True
+
     def _admit(self, seq: Sequence, now: float) -> None:
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
@@ -397,6 +455,7 @@ class Scheduler(ABC):
         """Preempt by recompute: drop the KV, keep the tokens, requeue at the front."""
         self.running.remove(seq)
         self.block_manager.free(seq)
+        self._kv_failed.discard(seq.seq_id)
         seq.num_scheduled_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1

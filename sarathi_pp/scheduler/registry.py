@@ -41,10 +41,11 @@ def create_scheduler(
     max_decode_batch: int | None = None,
     first_microbatch_id: int = 0,
     num_decode_microbatches_in_flight: int | None = None,
+    enable_prefix_caching: bool = False,
 ) -> Scheduler:
     """``max_decode_batch``: B for ``chunk_size: auto``; ``first_microbatch_id``: where the
     micro-batch ids start; ``num_decode_microbatches_in_flight``: the limit while only
-    decodes run (see ``Scheduler``)."""
+    decodes run (see ``Scheduler``); ``enable_prefix_caching``: ``cache.enable_prefix_caching``."""
     return policy_class(config.policy)(
         config,
         num_blocks=num_blocks,
@@ -54,4 +55,5 @@ def create_scheduler(
         max_decode_batch=max_decode_batch,
         first_microbatch_id=first_microbatch_id,
         num_decode_microbatches_in_flight=num_decode_microbatches_in_flight,
+        enable_prefix_caching=enable_prefix_caching,
     )

@@ -45,20 +45,25 @@ class SarathiScheduler(Scheduler):
     ) -> None:
         """Prefill chunks sized by the budget and the free blocks; blocks of a prefill in
         progress are taken later, after tile trimming, by ``_reserve_prefills``."""
-        free_slots = self.block_manager.num_free_blocks * self.block_manager.block_size
+        bs = self.block_manager.block_size
+        free_slots = self.block_manager.num_free_blocks * bs
         for seq in self._partial_prefills() + self._arrived_waiting(now):
             if budget == 0:
                 break
             if seq.status is SequenceStatus.WAITING:
-                # Admit only a prompt whose every block is free, and reserve them all now
-                # (as Sarathi-Serve): a prompt admitted on a few free blocks would force
-                # preemptions later. FCFS: nobody overtakes a prompt that does not fit.
-                whole = self._new_slots(seq, seq.num_pending_tokens)
-                if not self._can_admit() or whole > free_slots:
+                # Admit only a prompt whose every block is free (or cached), and reserve
+                # them all now (as Sarathi-Serve): a prompt admitted on a few free blocks
+                # would force preemptions later. FCFS: nobody overtakes a prompt that does
+                # not fit; one waiting for a prefix being written lets the others by.
+                free_before = self.block_manager.num_free_blocks
+                started = self._start_prefill(seq, now)
+                if started is None:
+                    continue
+                if not started:
                     break
-                self._admit(seq, now)
-                self.block_manager.grow(seq, seq.num_tokens)
-                free_slots -= whole
+                free_slots -= (free_before - self.block_manager.num_free_blocks) * bs
+                if self._is_decode(seq):  # a recompute that the cache left one token to
+                    continue
             n = min(seq.num_pending_tokens, budget, self._slots_for(seq, free_slots))
             if n <= 0:
                 break

@@ -30,16 +30,26 @@ class VLLMScheduler(Scheduler):
         selection: Selection = []
         num_tokens = 0
         for seq in self._partial_prefills() + self._arrived_waiting(now):
-            n = seq.num_pending_tokens
-            if selection and num_tokens + n > token_cap:
-                break
-            if seq.status is SequenceStatus.WAITING and not self._can_admit():
-                break
-            if not self.block_manager.can_grow(seq, seq.num_scheduled_tokens + n):
-                break
             if seq.status is SequenceStatus.WAITING:
-                self._admit(seq, now)
-            self.block_manager.grow(seq, seq.num_scheduled_tokens + n)
+                hit = self._lookup(seq)
+                if hit is None:  # waits for a prefix being written: the others go by
+                    continue
+                n = seq.num_pending_tokens - len(hit.blocks) * self.block_manager.block_size
+                if selection and num_tokens + n > token_cap:
+                    break
+                started = self._start_prefill(seq, now)  # reserves every block
+                if not started:
+                    break
+                if self._is_decode(seq):  # a recompute the cache left one token to
+                    continue  # a decode now: with the decodes
+                n = seq.num_pending_tokens
+            else:
+                n = seq.num_pending_tokens
+                if selection and num_tokens + n > token_cap:
+                    break
+                if not self.block_manager.can_grow(seq, seq.num_scheduled_tokens + n):
+                    break
+                self.block_manager.grow(seq, seq.num_scheduled_tokens + n)
             selection.append((seq, n))
             num_tokens += n
         return selection

@@ -9,7 +9,7 @@ tokens, the block tables were right and no block was reused while still live.
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -39,30 +39,51 @@ def reference_output(seq_id: int, prompt: list[int], max_tokens: int) -> list[in
 
 
 class FakeModel:
-    """Runs micro-batches in issue order against a fake paged KV cache of (seq_id, pos, token)."""
+    """Runs micro-batches in issue order against a fake paged KV cache whose every slot
+    holds what real K/V depends on: its position and every token up to it. A read checks
+    that the slot at each position holds the prefix read so far plus one token, so a block
+    hit in the prefix cache must hold the same tokens after the same prefix."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        self.slots: list[tuple[int, int, int] | None] = [None] * (num_blocks * block_size)
+        self.slots: list[tuple[int, tuple[int, ...] | None] | None] = [None] * (
+            num_blocks * block_size
+        )
 
     def _slot(self, block_table: tuple[int, ...], pos: int) -> int:
         return block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def execute(self, microbatch: MicroBatch) -> dict[int, int]:
+    def execute(
+        self, microbatch: MicroBatch, failed: frozenset[int] = frozenset(), dropped=frozenset()
+    ) -> dict:
+        """The sampled tokens; a sequence in ``failed`` writes garbage K/V (a stage raised
+        on it) and samples nothing; one in ``dropped`` is left out (it failed in an earlier
+        micro-batch: the executor runs the ones behind without it)."""
         sampled = {}
         for c in microbatch.chunks:
-            for i, token in enumerate(c.token_ids):  # write K/V first, as a stage does
-                self.slots[self._slot(c.block_table, c.start + i)] = (c.seq_id, c.start + i, token)
-            context = []
-            for pos in range(c.end):  # attend to the whole prefix through the block table
+            if c.seq_id in dropped:
+                continue
+            context: list[int] = []
+            for pos in range(c.start):  # attend to the prefix through the block table
                 entry = self.slots[self._slot(c.block_table, pos)]
-                assert entry is not None and entry[:2] == (c.seq_id, pos), (
+                assert entry is not None and entry[0] == pos and entry[1] is not None, (
                     f"{microbatch}: seq {c.seq_id} pos {pos} reads {entry}"
                 )
-                context.append(entry[2])
-            if c.do_sample:
+                assert entry[1][:-1] == tuple(context), (
+                    f"{microbatch}: seq {c.seq_id} pos {pos} reads K/V of another prefix"
+                )
+                context.append(entry[1][-1])
+            for i, token in enumerate(c.token_ids):  # write K/V, then attend to it
+                context.append(token)
+                kv = None if c.seq_id in failed else tuple(context)
+                self.slots[self._slot(c.block_table, c.start + i)] = (c.start + i, kv)
+            if c.do_sample and c.seq_id not in failed:
                 sampled[c.seq_id] = next_token(c.seq_id, tuple(context))
         return sampled
+
+    def wipe(self) -> None:
+        """The stages were replaced: every K/V is gone."""
+        self.slots = [None] * len(self.slots)
 
 
 @dataclass
@@ -90,11 +111,13 @@ def make_scheduler(
     block_size: int = 4,
     num_inflight: int = 1,
     num_decode_inflight: int | None = None,
+    caching: bool = False,
     **kw,
 ) -> Scheduler:
     return create_scheduler(
         SchedulerConfig(policy=policy, **kw), num_blocks, block_size, MAX_MODEL_LEN,
         num_inflight, num_decode_microbatches_in_flight=num_decode_inflight,
+        enable_prefix_caching=caching,
     )  # fmt: skip
 
 
@@ -198,15 +221,39 @@ class Checker:
     def _check_contiguous(self, seq: Sequence, seq_id: int, start: int, end: int) -> None:
         expected = self.issued_end.get(seq_id, 0)
         preempted = seq.metrics.num_preemptions > self.preemptions_seen.get(seq_id, 0)
-        assert start == expected or (preempted and start == 0), (seq_id, start, expected)
+        fresh = preempted or seq_id not in self.issued_end
+        assert start == expected or (fresh and start == cached_prefix(self.sched, seq)), (
+            seq_id, start, expected,
+        )  # fmt: skip
         self.issued_end[seq_id] = end
         self.preemptions_seen[seq_id] = seq.metrics.num_preemptions
 
     def _check_blocks(self) -> None:
-        bm = self.sched.block_manager
-        owned = [b for s in self.sched.seqs.values() for b in s.block_table]
-        assert len(owned) == len(set(owned)), "a block belongs to two sequences"
-        assert sorted(owned + bm._free) == list(range(bm.num_blocks)), "blocks lost"
+        check_blocks(self.sched)
+
+
+def cached_prefix(sched: Scheduler, seq: Sequence) -> int:
+    """Tokens at the start of ``seq`` held by published blocks (where a started prefill
+    may begin: 0 without prefix caching)."""
+    bm = sched.block_manager
+    n = 0
+    for block in seq.block_table:
+        if block not in bm._block_hash:
+            break
+        n += 1
+    return n * bm.block_size
+
+
+def check_blocks(sched: Scheduler) -> None:
+    """KV blocks conserved: each held as often as its reference count says, free exactly
+    when no sequence holds it; a block shared by two sequences is a published one."""
+    bm = sched.block_manager
+    held = Counter(b for s in sched.seqs.values() for b in s.block_table)
+    for b in range(bm.num_blocks):
+        assert held[b] == bm.ref_count(b), (b, held[b], bm.ref_count(b))
+        assert held[b] <= 1 or b in bm._block_hash, f"block {b} shared but not published"
+    assert sorted([*held, *bm._free, *bm._evictable]) == list(range(bm.num_blocks)), "lost"
+    bm.check()
 
 
 def simulate(

@@ -1,10 +1,13 @@
 """Property-based scheduler test (hypothesis): random sequences of add / step / abort /
-error / preempt for every policy with 1-3 micro-batches in flight, against the fake paged
-KV cache of ``test_scheduler``.
+error / preempt / lose for every policy with 1-3 micro-batches in flight, prefix caching
+on and off (prompts that share prefixes), against the fake paged KV cache of
+``test_scheduler`` (a slot holds its position and every token up to it, so a cache hit on
+the wrong block, or on a block not written yet, is a failed read).
 
 Invariants, checked as the operations run (``Checker`` on every micro-batch issued, the
 blocks after every operation) and at the end:
-- KV blocks are conserved: every block is free or held by exactly one known sequence;
+- KV blocks are conserved: every block is free or held, as often as its reference count
+  says (never negative), and only a published block is shared;
 - no decoding sequence is in two micro-batches in flight; the token budget is respected;
 - every request finishes once the operations stop (no stall), with every block free again;
 - a request that ran to its length has exactly the unbatched reference output, however
@@ -23,6 +26,7 @@ from test_scheduler import (
     Checker,
     FakeModel,
     Request,
+    check_blocks,
     make_scheduler,
     make_seq,
     reference_output,
@@ -38,7 +42,11 @@ OPS = st.one_of(
     st.tuples(st.just("abort"), st.integers(0, 30)),
     st.tuples(st.just("error"), st.integers(0, 30)),
     st.tuples(st.just("preempt")),
+    st.tuples(st.just("shared"), st.integers(0, 2), st.integers(1, 14), st.integers(1, 12)),
+    st.tuples(st.just("lose")),
 )
+# Prefixes the ``shared`` prompts start with (another position or another start: no hit).
+PREFIXES = ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [5, 6, 7, 8, 1, 2, 3, 4], [9, 5, 6, 7, 8] * 4)
 
 
 class Harness:
@@ -52,17 +60,29 @@ class Harness:
         self.checker = Checker(sched, [])
         self.inflight: deque[MicroBatch] = deque()
         self.seqs: list[Sequence] = []
+        self.failed: set[int] = set()  # sequences a micro-batch failed on
         self.now = 0.0
 
     # --- operations ----------------------------------------------------------------------
-    def add(self, prompt_len: int, max_tokens: int) -> None:
+    def add(self, prompt_len: int, max_tokens: int, prefix: tuple[int, ...] = ()) -> None:
         seq_id = len(self.seqs)
-        req = Request(seq_id, [(seq_id * 7 + i) % 1000 for i in range(prompt_len)], max_tokens)
+        suffix = [(seq_id * 7 + i) % 1000 for i in range(prompt_len)]
+        req = Request(seq_id, [*prefix, *suffix], max_tokens)
         self.checker.ref[seq_id] = req.prompt + reference_output(seq_id, req.prompt, max_tokens)
         seq = make_seq(req)
         seq.metrics.arrival_time = self.now
         self.seqs.append(seq)
         self.sched.add(seq)
+
+    def shared(self, k: int, suffix_len: int, max_tokens: int) -> None:
+        self.add(suffix_len, max_tokens, tuple(PREFIXES[k]))
+
+    def lose(self) -> None:
+        """A stage is lost: every micro-batch in flight with it, and every K/V."""
+        self.sched.on_microbatches_lost(list(self.inflight))
+        self.inflight.clear()
+        self.sched.on_kv_lost()
+        self.model.wipe()
 
     def issue(self) -> None:
         while len(self.inflight) < (limit := self.sched.microbatch_limit(self.now)):
@@ -81,9 +101,10 @@ class Harness:
         if not self.inflight:
             return
         microbatch = self.inflight.popleft()
-        sampled = self.model.execute(microbatch)
-        sampled.pop(failing, None)
-        for seq in self.sched.on_step_done(microbatch, sampled, self.now):
+        failed = frozenset() if failing is None else frozenset([failing])
+        sampled = self.model.execute(microbatch, failed, frozenset(self.failed))
+        self.failed |= failed
+        for seq in self.sched.on_step_done(microbatch, sampled, self.now, failed):
             if seq.num_output_tokens >= seq.params.max_tokens:
                 self.sched.finish(seq, SequenceStatus.FINISHED_LENGTH, self.now)
         if failing is not None:
@@ -111,10 +132,7 @@ class Harness:
 
     # --- invariants ----------------------------------------------------------------------
     def check_blocks(self) -> None:
-        bm = self.sched.block_manager
-        owned = [b for s in self.sched.seqs.values() for b in s.block_table]
-        assert len(owned) == len(set(owned)), "a block belongs to two sequences"
-        assert sorted(owned + bm._free) == list(range(bm.num_blocks)), "blocks lost"
+        check_blocks(self.sched)
         for seq in self.seqs:  # a sequence leaves the scheduler only when nothing holds it
             if seq.seq_id not in self.sched.seqs:
                 assert seq.is_finished and not seq.block_table, seq
@@ -134,13 +152,14 @@ class Harness:
     num_decode_inflight=st.integers(1, 3),  # at most num_inflight: the scheduler caps it
     num_blocks=st.integers(13, 40),  # 13 blocks of 4 = 52 slots: the longest request fits
     chunk_size=st.integers(1, 48),
+    caching=st.booleans(),
     ops=st.lists(OPS, max_size=60),
 )
 def test_random_operations_keep_the_invariants(
-    policy, num_inflight, num_decode_inflight, num_blocks, chunk_size, ops
+    policy, num_inflight, num_decode_inflight, num_blocks, chunk_size, caching, ops
 ):
     sched = make_scheduler(
-        policy, num_blocks, 4, num_inflight, num_decode_inflight, chunk_size=chunk_size,
+        policy, num_blocks, 4, num_inflight, num_decode_inflight, caching, chunk_size=chunk_size,
         tile_align=False,
     )  # fmt: skip
     h = Harness(sched, num_inflight)
