@@ -60,6 +60,7 @@ class Sequence:
         params: SamplingParams,
         arrival_time: float,
         prompt: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -86,6 +87,7 @@ class Sequence:
         # ``block_table`` are published (found by content).
         self.block_hashes: list[bytes] = []
         self.num_published_blocks = 0
+        self.cache_salt = cache_salt  # folded into the first block's hash
         self.admit_order = -1  # set at each admission; larger = admitted more recently
         self.last_scheduled_step = -1
         self.metrics = RequestMetrics(arrival_time=arrival_time)

@@ -10,6 +10,7 @@ A workload file, every key but ``num_requests`` and the two lengths optional::
     prompt_tokens: {choice: [128, 512, 1024], weights: [1, 1, 1]}
     output_tokens: 64
     arrivals: {kind: all_at_once}
+    shared_prefix: {tokens: 512, groups: 2}   # optional
 
 Lengths (tokens, integers >= 1), for ``prompt_tokens`` and ``output_tokens``: ``512`` or
 ``{fixed: 512}``, ``{choice: [...], weights: [...]}``, ``{uniform: [lo, hi]}``,
@@ -21,6 +22,12 @@ Arrivals (seconds after the benchmark starts): ``{kind: all_at_once}`` (the defa
 ``{kind: trace, path}`` (a CSV that gives arrivals and lengths, so ``prompt_tokens`` and
 ``output_tokens`` are not allowed beside it); each is described in
 ``sarathi_pp/bench/arrivals.py``.
+
+``shared_prefix`` puts a shared head before every prompt (a system prompt, a few-shot
+header: what prefix caching reuses): ``groups`` heads of ``tokens`` random token ids each
+(default one group), request ``i`` gets head ``i % groups``, and ``prompt_tokens`` then
+counts the tokens after it (each request's own). Without it no two prompts share a prefix
+(beyond chance).
 
 Prompts are random token ids, uniform in ``[0, vocab_size)``, of the requested lengths;
 each request runs with ``ignore_eos`` and ``max_tokens = output_tokens``, so outputs have
@@ -95,7 +102,24 @@ __all__ = [
     "workload_from_dict",
 ]
 
-TOP_KEYS = ("name", "num_requests", "seed", "prompt_tokens", "output_tokens", "arrivals")
+TOP_KEYS = (
+    "name", "num_requests", "seed", "prompt_tokens", "output_tokens", "arrivals",
+    "shared_prefix",
+)  # fmt: skip
+SHARED_PREFIX_KEYS = ("tokens", "groups")
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefix:
+    """``groups`` heads of ``tokens`` token ids; request ``i`` starts with head
+    ``i % groups`` (module docstring)."""
+
+    tokens: int
+    groups: int = 1
+
+    def __post_init__(self) -> None:
+        _check_int("shared_prefix.tokens", self.tokens, 1)
+        _check_int("shared_prefix.groups", self.groups, 1)
 
 
 # --- the workload ----------------------------------------------------------------------------
@@ -115,6 +139,7 @@ class Workload:
     output_tokens: OutputLengths  # a LengthDist or a PDRatio rule on the prompt's length
     arrivals: Arrivals = Arrivals()
     seed: int = 0
+    shared_prefix: SharedPrefix | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -131,6 +156,8 @@ class Workload:
             )
         if not isinstance(self.arrivals, Arrivals):
             raise ValueError(f"arrivals must be an Arrivals, got {self.arrivals!r}")
+        if self.shared_prefix is not None and not isinstance(self.shared_prefix, SharedPrefix):
+            raise ValueError(f"shared_prefix must be a SharedPrefix, got {self.shared_prefix!r}")
         for what, size in self._trace_sizes():
             if size != self.num_requests:
                 raise ValueError(
@@ -148,7 +175,8 @@ class Workload:
     # Exact expectations of the sampled lengths: sums over each distribution's pmf (normal:
     # tails beyond NORMAL_TAIL_STDS std left out; trace: the mean of its values).
     def mean_prompt_tokens(self) -> float:
-        return sum(v * p for v, p in self.prompt_tokens.pmf())
+        head = self.shared_prefix.tokens if self.shared_prefix is not None else 0
+        return head + sum(v * p for v, p in self.prompt_tokens.pmf())
 
     def mean_output_tokens(self) -> float:
         rule = self.output_tokens
@@ -205,12 +233,20 @@ class Workload:
             output_lens = [self.output_tokens.output_for(p) for p in prompt_lens]
         else:
             output_lens = self.output_tokens.sample(self._rng("output_tokens"), n)
+        heads: list[tuple[int, ...]] = [()]
+        if (sp := self.shared_prefix) is not None:
+            head_rng = self._rng("shared_prefix")  # its own stream: the rest stays the same
+            heads = [tuple(head_rng.choices(range(vocab_size), k=sp.tokens))
+                     for _ in range(sp.groups)]  # fmt: skip
         if max_model_len is not None:
-            self._check_fits(prompt_lens, output_lens, max_model_len)
+            head = len(heads[0])
+            self._check_fits([head + p for p in prompt_lens], output_lens, max_model_len)
         arrivals = self.arrivals.sample(self._rng("arrivals"), n)
         token_rng, token_ids = self._rng("token_ids"), range(vocab_size)
         return [
-            BenchRequest(str(i), t, tuple(token_rng.choices(token_ids, k=p)), o)
+            BenchRequest(
+                str(i), t, heads[i % len(heads)] + tuple(token_rng.choices(token_ids, k=p)), o
+            )
             for i, (t, p, o) in enumerate(zip(arrivals, prompt_lens, output_lens))
         ]
 
@@ -226,9 +262,14 @@ class Workload:
                 )
 
     def describe(self) -> str:
+        head = ""
+        if (sp := self.shared_prefix) is not None:
+            groups = "" if sp.groups == 1 else f" (one of {sp.groups})"
+            head = f"a shared prefix of {sp.tokens} tokens{groups} + "
         return (
-            f"{self.name}: {self.num_requests} requests, prompt {self.prompt_tokens.describe()}, "
-            f"output {self.output_tokens.describe()}, {self.arrivals.describe()}"
+            f"{self.name}: {self.num_requests} requests, prompt {head}"
+            f"{self.prompt_tokens.describe()}, output {self.output_tokens.describe()}, "
+            f"{self.arrivals.describe()}"
         )
 
 
@@ -264,11 +305,24 @@ def workload_from_dict(d: dict, source: str = "<dict>", base_dir: Path | None = 
         prompt, output = _trace_lengths(d, source, arrivals, trace)
     name = d.get("name", "workload" if source == "<dict>" else Path(source).stem)
     seed = d.get("seed", 0)
+    with _located(f"{source}: shared_prefix"):
+        shared = _parse_shared_prefix(d.get("shared_prefix"))
     with _located(source):
         if trace is None:
-            return Workload(name, num_requests, prompt, output, arrivals, seed)
-        whole = Workload(name, len(trace), prompt, output, arrivals, seed)
+            return Workload(name, num_requests, prompt, output, arrivals, seed, shared)
+        whole = Workload(name, len(trace), prompt, output, arrivals, seed, shared)
         return whole.with_num_requests(d.get("num_requests", len(trace)))
+
+
+def _parse_shared_prefix(spec: Any) -> SharedPrefix | None:
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ValueError(f"expected a mapping {{tokens: N, groups: G}}, got {spec!r}")
+    _check_keys("shared_prefix", spec, SHARED_PREFIX_KEYS)
+    return SharedPrefix(
+        _required("shared_prefix", spec, "tokens", SHARED_PREFIX_KEYS), spec.get("groups", 1)
+    )
 
 
 def _trace_lengths(

@@ -75,6 +75,9 @@ class RequestInput:
     # A text prompt's special tokens (BOS): None = the default (a prompt yes, a chat no:
     # its template writes its own)
     add_special_tokens: bool | None = None
+    # vLLM's ``cache_salt``: the request shares prefix-cache blocks only with requests of
+    # the same salt (a tenant's own); a dict prompt may carry it too
+    cache_salt: str | None = None
 
     @property
     def name(self) -> str:
@@ -92,6 +95,7 @@ class ProcessedRequest:
     token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    cache_salt: str | None = None
 
 
 class InputProcessor:
@@ -227,7 +231,13 @@ class InputProcessor:
                 "max_tokens",
             )
         arrival = arrival_or_now(request.arrival_time, now)  # ValueError: not on our clock
-        return ProcessedRequest(request.request_id, text, token_ids, params, arrival)
+        salt = request.cache_salt
+        if isinstance(request.prompt, dict) and "cache_salt" in request.prompt:
+            salt = request.prompt["cache_salt"]
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise InputError(f"{where}: cache_salt must be a non-empty string, got {salt!r}",
+                             "cache_salt")  # fmt: skip
+        return ProcessedRequest(request.request_id, text, token_ids, params, arrival, salt)
 
     def prompt_tokens(
         self, prompt: Any, where: str, add_special_tokens: bool = True

@@ -158,6 +158,16 @@ class LLMEngine(PipelineRecovery):
         self.scheduler = self._create_scheduler(config.scheduler, next_id)
         self.config = config
 
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Turn prefix caching on or off between workloads (``cache.enable_prefix_caching``;
+        the cache starts empty either way), keeping the loaded stages: the prefix-caching
+        benchmark compares the two on one pipeline. Only while no request is unfinished."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("set_prefix_caching needs an idle engine (requests are unfinished)")
+        self.config = self.config.replace(**{"cache.enable_prefix_caching": enabled})
+        next_id = self.scheduler.next_microbatch_id
+        self.scheduler = self._create_scheduler(self.config.scheduler, next_id)
+
     def _create_scheduler(self, config: SchedulerConfig, first_microbatch_id: int = 0) -> Scheduler:
         # B of chunk_size: auto's plan (see engine_decode_batch for which figure).
         b = None
@@ -274,8 +284,9 @@ class LLMEngine(PipelineRecovery):
         seq_id = next(self._seq_ids)
         params = self.inputs.seeded(params, seq_id)
         seq = Sequence(
-            seq_id, request_id, list(req.token_ids), params, req.arrival_time, prompt=req.text
-        )
+            seq_id, request_id, list(req.token_ids), params, req.arrival_time, prompt=req.text,
+            cache_salt=req.cache_salt,
+        )  # fmt: skip
         self._requests[request_id] = seq
         self.outputs.add(seq)
         self.observe.added(req.arrival_time)

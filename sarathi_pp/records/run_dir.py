@@ -63,7 +63,7 @@ REQUEST_COLUMNS = (
     "request_id", "num_prompt_tokens", "num_output_tokens", "finish_reason", "error",
     "arrival_s", "first_scheduled_s", "first_token_s", "finished_s",
     "ttft_s", "scheduling_delay_s", "e2e_s", "tbt_mean_s", "tbt_max_s", "tpot_s",
-    "num_preemptions", "token_times",
+    "num_preemptions", "num_cached_tokens", "token_times",
 )  # fmt: skip
 
 
@@ -217,6 +217,7 @@ def request_row(out: RequestOutput, t0: float) -> dict:
         "tbt_max_s": max(tbt) if tbt else None,
         "tpot_s": tpot(m.e2e_latency, m.ttft, n_out),
         "num_preemptions": m.num_preemptions,
+        "num_cached_tokens": m.num_cached_tokens,
         "token_times": " ".join(f"{t - m.arrival_time:.6f}" for t in m.token_times),
     }
     return {k: ("" if v is None else v) for k, v in row.items()}

@@ -45,6 +45,9 @@ class RequestRow:
     tbt_max_s: float | None
     token_times: tuple[float, ...] | None  # None: no token_times column
     first_scheduled_s: float | None = None
+    num_prompt_tokens: int | None = None
+    # prompt tokens read from the prefix cache; None: not looked up (or an older file)
+    num_cached_tokens: int | None = None
 
 
 def load_requests(path: str | Path) -> list[RequestRow]:
@@ -104,7 +107,16 @@ def _row(r: dict[str, Any], where: str) -> RequestRow:
         tbt_max_s=_float(r, "tbt_max_s", where),
         token_times=tt,
         first_scheduled_s=_float(r, "first_scheduled_s", where),
+        num_prompt_tokens=_count(r, "num_prompt_tokens", where),
+        num_cached_tokens=_count(r, "num_cached_tokens", where),
     )
+
+
+def _count(r: dict[str, Any], key: str, where: str) -> int | None:
+    x = _float(r, key, where)
+    if x is not None and (x != int(x) or x < 0):
+        raise ValueError(f"{where}: column {key!r}: {r[key]!r} is not a count")
+    return None if x is None else int(x)
 
 
 def percentile(sorted_xs: list[float], q: float) -> float:
@@ -167,4 +179,22 @@ def request_summary(rows: list[RequestRow]) -> dict[str, Any]:
         "scheduling_delay_s": distribution(
             [r.scheduling_delay_s for r in rows if r.scheduling_delay_s is not None]
         ),
+        "prefix_cache": prefix_cache_summary(rows),
+    }
+
+
+def prefix_cache_summary(rows: list[RequestRow]) -> dict[str, Any] | None:
+    """Prompt tokens of the requests looked up in the prefix cache (``queried_tokens``)
+    and those found cached (``hit_tokens``, at each request's first lookup); ``None`` when
+    no request was looked up (prefix caching off)."""
+    looked = [r for r in rows if r.num_cached_tokens is not None and r.num_prompt_tokens]
+    if not looked:
+        return None
+    queried = sum(r.num_prompt_tokens or 0 for r in looked)
+    hits = sum(r.num_cached_tokens or 0 for r in looked)
+    return {
+        "num_requests": len(looked),
+        "queried_tokens": queried,
+        "hit_tokens": hits,
+        "hit_rate": hits / queried if queried else None,
     }

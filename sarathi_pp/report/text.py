@@ -27,6 +27,7 @@ COMPARED = (
     ("e2e p50", ("requests", "e2e_s", "p50"), "ms", "lower", "higher"),
     ("generated tokens/s", ("requests", "generated_tokens_per_s"), "", "lower", "higher"),
     ("requests/s", ("requests", "requests_per_s"), "", "lower", "higher"),
+    ("prefix cache hit rate", ("requests", "prefix_cache", "hit_rate"), "", "lower", "higher"),
 )
 
 
@@ -172,6 +173,12 @@ def _request_rows(req: dict[str, Any]) -> list[str]:
         lines.append(f"{label:<12}{cells}")
     if req.get("tbt_source") == "tbt_mean_s":
         lines.append("(tbt from per-request means: requests.csv has no token_times)")
+    if (pc := req.get("prefix_cache")) is not None:
+        rate = "-" if pc["hit_rate"] is None else f"{pc['hit_rate']:.1%}"
+        lines.append(
+            f"prefix cache: {pc['hit_tokens']} of {pc['queried_tokens']} prompt tokens "
+            f"cached ({rate}) over {pc['num_requests']} requests"
+        )
     return lines
 
 

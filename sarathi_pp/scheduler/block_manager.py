@@ -10,7 +10,8 @@ Prefix caching (vLLM V1's automatic prefix caching; ``cache.enable_prefix_cachin
 
 * A full block is named by a hash chained over its parent block's hash and its own token
   ids (``block_hashes``), so the same tokens at another position, or after other tokens, are
-  another block. Nothing else changes a block's K/V here (no LoRA, no multi-modal input).
+  another block. Nothing else changes a block's K/V here (no LoRA, no multi-modal input);
+  a request's ``cache_salt`` starts its chain, so it shares blocks only with its salt.
 * Blocks are reference-counted: a block hit by several sequences is shared, read-only (a
   sequence only ever writes the blocks past its hit, which it owns alone).
 * A block becomes hittable (``publish``) only once the micro-batch that wrote its last token
@@ -59,7 +60,11 @@ def block_hashes(seq: Sequence, num_blocks: int, block_size: int) -> list[BlockH
     while len(hashes) < num_blocks:
         i = len(hashes)
         tokens = seq.token_ids[i * block_size : (i + 1) * block_size]
-        hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+        if hashes:
+            parent: BlockHash | None = hashes[-1]
+        else:  # a salted request's chain starts from its salt (vLLM's ``cache_salt``)
+            parent = None if seq.cache_salt is None else b"salt:" + seq.cache_salt.encode()
+        hashes.append(hash_block(parent, tokens))
     return hashes
 
 

@@ -227,6 +227,7 @@ class _Routes:
                 where=f"'prompt[{i}]'" if many else "'prompt'",
                 max_tokens_must_fit=must_fit,
                 add_special_tokens=req.add_special_tokens,
+                cache_salt=req.cache_salt,
             )  # fmt: skip
             for i, prompt in enumerate(req.prompts)
         ]
@@ -251,6 +252,7 @@ class _Routes:
             request_id, req.params, messages=req.messages, where="'messages'",
             max_tokens_must_fit=req.max_tokens is not None,
             chat=self._chat_options(req.chat), add_special_tokens=req.add_special_tokens,
+            cache_salt=req.cache_salt,
         )  # fmt: skip
 
         def add(engine: LLMEngine) -> None:  # on the engine thread: it owns the tokenizer
@@ -472,15 +474,17 @@ class _Answer:
     def all_finished(self) -> bool:
         return all(_done(o) for o in self._latest)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         """Each prompt's tokens once (its ``n`` choices share it, as OpenAI counts) and the
-        completion tokens of every choice."""
+        completion tokens of every choice; of the prompt tokens, those read from the prefix
+        cache (where looked up)."""
         outs = [o for o in self._latest if o is not None]
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
         completion_tokens = 0
         if not self.echo_only:
             completion_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        return p.usage(prompt_tokens, completion_tokens)
+        cached = [o.num_cached_tokens for o in outs if o.num_cached_tokens is not None]
+        return p.usage(prompt_tokens, completion_tokens, sum(cached) if cached else None)
 
 
 def _done(out: RequestOutput) -> bool:

@@ -59,6 +59,18 @@ class ServerMetrics(Observer):
         self.kv_blocks_used = Gauge("sarathi_pp_kv_blocks_used", "KV blocks in use", registry=r)
         self.kv_blocks_total = Gauge("sarathi_pp_kv_blocks_total", "KV blocks", registry=r)
         self.preemptions = Counter("sarathi_pp_preemptions", "Preemptions", registry=r)
+        self.prefix_queries = Counter(
+            "sarathi_pp_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (each prefill start)",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "sarathi_pp_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
+        )
+        self.prefix_cached_blocks = Gauge(
+            "sarathi_pp_prefix_cache_blocks", "KV blocks findable by content", registry=r
+        )
+        self._prefix_seen: tuple[Any, int, int] = (None, 0, 0)  # (stats, queries, hits)
         # Per pipeline stage; under load, 1 - rate(busy) is the stage's bubble fraction.
         self.stage_busy = Counter(
             "sarathi_pp_stage_busy_seconds",
@@ -122,6 +134,15 @@ class ServerMetrics(Observer):
         used = blocks.num_blocks - blocks.num_free_blocks
         usage = used / blocks.num_blocks if blocks.num_blocks else 0.0
         self.vllm.state(len(scheduler.running), len(scheduler.waiting), usage, new)
+        stats, queries, hits = self._prefix_seen
+        if stats is not blocks.stats:  # a new scheduler (``set_scheduler``): counts anew
+            stats, queries, hits = blocks.stats, 0, 0
+        dq, dh = stats.queries - queries, stats.hits - hits
+        self.prefix_queries.inc(dq)
+        self.prefix_hits.inc(dh)
+        self.vllm.prefix_cache(dq, dh)
+        self.prefix_cached_blocks.set(blocks.num_cached_blocks)
+        self._prefix_seen = (stats, stats.queries, stats.hits)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -133,6 +133,7 @@ class GenerateRequest:
     # a completion's yes, a chat's only where its template writes none)
     add_special_tokens: bool | None = None
     chat: ChatOptions | None = None  # a chat's rendering options
+    cache_salt: str | None = None  # vLLM's: shares the prefix cache only with the same salt
     echo: bool = False  # completions: each choice's text starts with its prompt
     echo_only: bool = False  # and ``max_tokens: 0``: it is only its prompt (vLLM's)
 
@@ -364,7 +365,6 @@ def _common(
     check_unsupported(body, endpoint)
     warn_ignored_fields(body, _KNOWN_FIELDS[endpoint])
     _get(body, "user", "str")
-    _get(body, "cache_salt", "str")  # no prefix cache: nothing to isolate
     stream = _get(body, "stream", "bool", False)
     options = _get(body, "stream_options", "dict", {})
     include_usage = options.get("include_usage", False)
@@ -382,11 +382,19 @@ def _common(
         "model": _get(body, "model", "str"),
         "request_id": _get(body, "request_id", "str"),
         "add_special_tokens": _get(body, "add_special_tokens", "bool"),
+        "cache_salt": _cache_salt(body),
         "params": params,
         "stream": stream,
         "include_usage": stream and include_usage,
         "max_tokens": params.max_tokens if given else None,
     }
+
+
+def _cache_salt(body: Any) -> str | None:
+    salt = _get(body, "cache_salt", "str")
+    if salt is not None and not salt:
+        raise bad_request("'cache_salt' must be a non-empty string", "cache_salt")
+    return salt
 
 
 def completion_request(body: Any, defaults: dict[str, Any] | None = None) -> GenerateRequest:
@@ -581,12 +589,19 @@ def _tool_calls(where: str, calls: Any) -> list[dict[str, Any]]:
 
 
 # --- responses -----------------------------------------------------------------------------
-def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` where the prompts
+    were looked up in the prefix cache."""
+    out: dict[str, Any] = {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_output_tokens,
         "total_tokens": num_prompt_tokens + num_output_tokens,
     }
+    if num_cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
+    return out
 
 
 def _envelope(

@@ -200,8 +200,7 @@ FIELDS: tuple[RequestField, ...] = (
         "cache_salt",
         BOTH,
         "vllm",
-        "isolates prefix-cache hits: there is no prefix "
-        "cache, so no request shares another's cache",
+        "requests share prefix-cache blocks only with requests of the same salt",
         "salt",
     ),  # fmt: skip
     _refused("use_beam_search", BOTH, "vllm", "no beam search", True, lambda v: v is False),

@@ -50,6 +50,15 @@ class VllmMetrics:
             "generation": Counter(
                 "vllm:generation_tokens", "Generation tokens processed", label, registry=r
             ),
+            "prefix_queries": Counter(
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in queried tokens",
+                label,
+                registry=r,
+            ),
+            "prefix_hits": Counter(
+                "vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens", label, registry=r
+            ),
         }
         self._success = Counter(
             "vllm:request_success", "Finished requests", [*label, "finished_reason"], registry=r
@@ -130,6 +139,14 @@ class VllmMetrics:
             self._h("decode").observe(max(0.0, end - first))
         if scheduled is not None and end is not None:
             self._h("inference").observe(max(0.0, end - scheduled))
+
+    def prefix_cache(self, new_queries: int, new_hits: int) -> None:
+        """Prompt tokens looked up in the prefix cache, and found, since the last call."""
+        name = self.model_name
+        if new_queries:
+            self._counters["prefix_queries"].labels(model_name=name).inc(new_queries)
+        if new_hits:
+            self._counters["prefix_hits"].labels(model_name=name).inc(new_hits)
 
     def state(self, running: int, waiting: int, kv_usage: float, new_preemptions: int) -> None:
         """After an engine step: the queues, the KV cache's used fraction, preemptions since."""
