@@ -56,7 +56,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LOG_TAIL_CHARS = 2000
 SETTING_NAMES = (
     "pipeline_parallel_size", "dtype", "max_num_batched_tokens", "block_size",
-    "kv_cache_memory_bytes",
+    "kv_cache_memory_bytes", "enable_prefix_caching",
 )  # fmt: skip
 
 
@@ -143,6 +143,7 @@ def workload_message(
     max_num_batched_tokens: int | None = None,
     block_size: int | None = None,
     kv_cache_memory_bytes: int | None = None,
+    enable_prefix_caching: bool = False,
 ) -> dict[str, Any]:
     return {
         "version": PROTOCOL_VERSION,
@@ -154,6 +155,7 @@ def workload_message(
             "block_size": block_size,
             "max_model_len": None,
             "kv_cache_memory_bytes": kv_cache_memory_bytes,
+            "enable_prefix_caching": enable_prefix_caching,
             "seed": 0,
         },
         "requests": [
@@ -193,9 +195,11 @@ def run_vllm_peer(
     log_dir: Path | None = None,
     max_num_batched_tokens: int | None = None,
     block_size: int | None = None,
+    enable_prefix_caching: bool = False,
 ) -> PeerResult:
     """Serve ``requests`` with vLLM at PP=``num_stages``; greedy, EOS ignored. vLLM's own
-    token budget and block size unless given. ``log_dir`` gets the peer's output
+    token budget and block size unless given; prefix caching as ours (the bench passes
+    ``cache.enable_prefix_caching``). ``log_dir`` gets the peer's output
     (``peer.log``) and its protocol lines (``peer.jsonl``). A setting vLLM refuses, a
     protocol mismatch or a peer that dies: ``PeerResult.error`` (the finished requests kept)."""
     path = _check_model_dir(model_dir)
@@ -205,6 +209,7 @@ def run_vllm_peer(
         path, requests, num_stages=num_stages, dtype=dtype,
         max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
         kv_cache_memory_bytes=kv_cache_bytes(path, requests, dtype),
+        enable_prefix_caching=enable_prefix_caching,
     )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="sarathi-vllm-peer-") as tmp:
         where = Path(log_dir) if log_dir is not None else Path(tmp)
@@ -285,7 +290,8 @@ def _result(
     note = (
         f"vLLM {version} LLMEngine ({len(requests)} requests added at their arrival times), "
         f"PP={settings['pipeline_parallel_size']}, max_num_batched_tokens {budget}, block "
-        f"{block}, {settings['dtype']}, {threads}"
+        f"{block}, {settings['dtype']}, {threads}, prefix caching "
+        f"{'on' if settings.get('enable_prefix_caching') else 'off'}"
     )
     if num_failed:
         note += f"; {num_failed} requests failed"

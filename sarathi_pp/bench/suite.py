@@ -252,7 +252,11 @@ class Bench:
         name = BenchDir.peer_name(peer)
         run_dir = self.bench_dir.run(name)
         run_dir.path.mkdir(exist_ok=True)
-        extra = {"num_stages": placement.num_stages, "log_dir": run_dir.path}
+        extra = {
+            "num_stages": placement.num_stages,
+            "log_dir": run_dir.path,
+            "enable_prefix_caching": self.config.cache.enable_prefix_caching,  # like for like
+        }
         accepted = inspect.signature(run_peer).parameters
         with self._progress(name, len(requests)) as progress:
             result = run_peer(

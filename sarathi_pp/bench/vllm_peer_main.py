@@ -56,7 +56,7 @@ def _engine(settings: dict[str, Any]) -> Any:
         "skip_tokenizer_init": True,  # token ids in and out
         "pipeline_parallel_size": pp,
         "dtype": settings.get("dtype") or "auto",
-        "enable_prefix_caching": False,  # sarathi-pp has none
+        "enable_prefix_caching": bool(settings.get("enable_prefix_caching", False)),
         "seed": int(settings.get("seed") or 0),
     }
     keys = ("max_num_batched_tokens", "block_size", "max_model_len", "kv_cache_memory_bytes")

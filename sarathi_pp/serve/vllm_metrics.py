@@ -143,10 +143,8 @@ class VllmMetrics:
     def prefix_cache(self, new_queries: int, new_hits: int) -> None:
         """Prompt tokens looked up in the prefix cache, and found, since the last call."""
         name = self.model_name
-        if new_queries:
-            self._counters["prefix_queries"].labels(model_name=name).inc(new_queries)
-        if new_hits:
-            self._counters["prefix_hits"].labels(model_name=name).inc(new_hits)
+        self._counters["prefix_queries"].labels(model_name=name).inc(new_queries)
+        self._counters["prefix_hits"].labels(model_name=name).inc(new_hits)
 
     def state(self, running: int, waiting: int, kv_usage: float, new_preemptions: int) -> None:
         """After an engine step: the queues, the KV cache's used fraction, preemptions since."""

@@ -5,6 +5,7 @@ happen (the checks mean something). Pipelines: ``tests/dist/test_prefix_caching_
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -113,3 +114,35 @@ def test_prompt_logprobs_requests_compute_their_whole_prompt(llama_dir):
         assert [p and sorted(p) for p in a.prompt_logprobs] == [
             p and sorted(p) for p in b.prompt_logprobs
         ]
+
+
+def test_hits_are_recorded_in_the_run_dir(llama_dir, tmp_path, capsys):
+    from sarathi_pp.cli import main
+    from sarathi_pp.report.request_metrics import load_requests
+
+    prompts = shared_prompts(seed=6)
+    run = tmp_path / "run"
+    with LLM(str(llama_dir), dtype="float32", max_model_len=256, run_dir=str(run)) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    rows = load_requests(run / "requests.csv")
+    cached = {r.request_id: r.num_cached_tokens for r in rows}  # in order of finishing
+    assert cached == {o.request_id: o.num_cached_tokens for o in outs}
+    pc = json.loads((run / "summary.json").read_text())["requests"]["prefix_cache"]
+    hits = sum(o.num_cached_tokens for o in outs)
+    assert hits > 0 and pc["hit_tokens"] == hits
+    assert pc["queried_tokens"] == sum(map(len, prompts))
+    assert main(["report", str(run)]) == 0
+    assert f"prefix cache: {hits} of {pc['queried_tokens']} prompt tokens" in capsys.readouterr().out
+
+
+def test_a_cache_salt_shares_blocks_only_with_its_own(llama_dir):
+    prompt = shared_prompts(seed=7)[0]
+    salted = [
+        {"prompt_token_ids": prompt, "cache_salt": salt} for salt in ("a", "b", "a")
+    ] + [prompt]
+    with LLM(str(llama_dir), dtype="float32", max_model_len=256) as llm:
+        outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in salted]
+        with pytest.raises(ValueError, match="cache_salt"):
+            llm.generate([{"prompt_token_ids": prompt, "cache_salt": ""}], GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [0, 0, (len(prompt) - 1) // 16 * 16, 0]
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1

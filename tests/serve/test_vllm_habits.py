@@ -227,7 +227,8 @@ VLLM_METRICS = (
     "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
     "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
     "vllm:request_inference_time_seconds_count", "vllm:request_prompt_tokens_count",
-    "vllm:request_generation_tokens_count",
+    "vllm:request_generation_tokens_count", "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
 )  # fmt: skip
 
 
@@ -265,6 +266,24 @@ def test_vllm_metric_names_are_there_and_move_with_traffic(client, server) -> No
         - before["vllm:inter_token_latency_seconds_count"]
         == 4
     )
+
+
+def test_prefix_cache_hits_in_usage_and_metrics(client, server) -> None:
+    """The same 40-token prompt twice: the second reads its first 32 tokens (two blocks of
+    16) from the prefix cache, in its usage (OpenAI's ``cached_tokens``) and in vLLM's
+    counters; another ``cache_salt`` shares nothing."""
+    prompt = [(7 * i) % 200 + 3 for i in range(40)]
+    before = _samples(server)
+    cached = []
+    for salt in (None, None, "tenant-b"):
+        extra = {"ignore_eos": True} | ({"cache_salt": salt} if salt else {})
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body=extra)
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+    after = _samples(server)
+    assert cached == [0, 32, 0]
+    assert after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] == 32
+    grew = after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
+    assert grew == 3 * 40
 
 
 def test_offline_chat_takes_vllms_rendering_options(reference) -> None:

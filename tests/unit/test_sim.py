@@ -658,3 +658,28 @@ def test_scripted_costs_and_the_stages_handoff(sim_model_dir: Path, tmp_path: Pa
         ScriptedCostModel(2, by_stage, send_s=-1.0)
     with pytest.raises(ValueError, match="handoff_s must be a number >= 0"):
         Overheads(handoff_s=-0.1)
+
+
+def test_simulated_prefix_caching_is_reported(model_dir: Path, tmp_path: Path, capsys):
+    """The simulator drives the real block manager: a workload over one shared prefix hits
+    it (summary, report), the simulated prefill work shrinks, and turning caching off
+    (``--no-enable-prefix-caching``) reports no lookups."""
+    from sarathi_pp.cli import main
+
+    w = tmp_path / "w.yaml"
+    w.write_text("num_requests: 8\nshared_prefix: {tokens: 320}\nprompt_tokens: 40\n"
+                 "output_tokens: 4\n")  # fmt: skip
+    runs = {}
+    for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        out = tmp_path / flag
+        rc = main(["simulate", "--model", str(model_dir), "--hardware",
+                   str(HW_DIR / "a6000.yaml"), "--pp", "2", "--workload", str(w),
+                   "--schedulers", "sarathi", "--run-dir", str(out), "--no-progress", flag])  # fmt: skip
+        assert rc == 0
+        runs[flag] = summary_of(out / "sarathi")
+        assert main(["report", str(out / "sarathi")]) == 0
+    on = runs["--enable-prefix-caching"]["requests"]
+    assert on["prefix_cache"]["hit_tokens"] == 7 * 320 and on["prefix_cache"]["queried_tokens"] == 8 * 360
+    assert "prefix cache: 2240 of 2880 prompt tokens cached" in capsys.readouterr().out
+    assert runs["--no-enable-prefix-caching"]["requests"]["prefix_cache"] is None
+    assert on["duration_s"] < runs["--no-enable-prefix-caching"]["requests"]["duration_s"]

@@ -412,3 +412,35 @@ def test_bad_calls():
     ):
         w.requests(256, max_model_len=64)
     assert len(w.requests(256, max_model_len=130)) == 8
+
+
+def test_shared_prefix_heads_every_prompt() -> None:
+    base = {"num_requests": 6, "prompt_tokens": {"uniform": [3, 9]}, "output_tokens": 4}
+    plain = workload_from_dict(base).requests(500)
+    w = workload_from_dict({**base, "shared_prefix": {"tokens": 20, "groups": 2}})
+    reqs = w.requests(500)
+    heads = [r.prompt_token_ids[:20] for r in reqs]
+    assert heads[0] == heads[2] == heads[4] != heads[1] == heads[3] == heads[5]
+    # each request's own part is the plain workload's prompt (its own stream)
+    assert [r.prompt_token_ids[20:] for r in reqs] == [r.prompt_token_ids for r in plain]
+    assert w.mean_prompt_tokens() == 20 + 6 and "shared prefix of 20 tokens (one of 2)" in (
+        w.describe()
+    )
+    with pytest.raises(ValueError, match="prompt 20 \\+ 9|> max_model_len 25"):
+        w.requests(500, max_model_len=25)
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ({"tokens": 0}, "shared_prefix.tokens must be an integer >= 1"),
+        ({"tokens": 8, "groups": 0}, "shared_prefix.groups must be an integer >= 1"),
+        ({"groups": 2}, "needs 'tokens'"),
+        ({"tokens": 8, "size": 2}, "unknown key"),
+        (8, "expected a mapping"),
+    ],
+)
+def test_bad_shared_prefix_is_named(spec, match) -> None:
+    base = {"num_requests": 2, "prompt_tokens": 4, "output_tokens": 4, "shared_prefix": spec}
+    with pytest.raises(ValueError, match=match):
+        workload_from_dict(base, source="w.yaml")
