@@ -6,9 +6,13 @@ blocks are in use is replaced, every hash is forgotten, and the outputs are unch
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
 
 import pytest
+from helpers import torchrun_command
 
 from sarathi_pp import LLM, SamplingParams
 
@@ -95,3 +99,28 @@ def test_a_stage_lost_with_cached_blocks_in_use(ray_cluster, llama3_rope_dir, re
         bm = llm.engine.scheduler.block_manager
         assert bm.num_free_blocks == bm.num_blocks
         bm.check()
+
+
+def test_torchrun_with_caching_equals_one_stage_without(llama_dir, tmp_path):
+    """Rank 0's scheduler over torchrun's control plane: prompts over one shared text,
+    hits recorded in the run dir, the tokens of one stage without caching."""
+    shared = "the pipeline has two stages and a scheduler in front of them " * 3
+    prompts = [shared + tail for tail in ("one", "two words", "and three words", "x")]
+    out, run = tmp_path / "out.jsonl", tmp_path / "run"
+    cmd = torchrun_command(
+        llama_dir, "--pipeline-parallel-size", "2", "--max-tokens", "8", "--ignore-eos",
+        "--output", str(out), "--chunk-size", "16", "--set", "scheduler.tile_align=false",
+        "--set", "model.max_model_len=256", "--set", "parallel.stage_timeout_s=60",
+        "--run-dir", str(run), *(a for p in prompts for a in ("--prompt", p)),
+    )  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    with LLM(str(llama_dir), max_model_len=256, enable_prefix_caching=False) as pp1:
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        ref = pp1.generate(prompts, params, use_tqdm=False)
+    assert [r["token_ids"] for r in records] == tokens(ref)
+    pc = json.loads((run / "summary.json").read_text())["requests"]["prefix_cache"]
+    assert pc["hit_tokens"] >= 3 * 32, pc

@@ -132,14 +132,16 @@ def test_hits_are_recorded_in_the_run_dir(llama_dir, tmp_path, capsys):
     assert hits > 0 and pc["hit_tokens"] == hits
     assert pc["queried_tokens"] == sum(map(len, prompts))
     assert main(["report", str(run)]) == 0
-    assert f"prefix cache: {hits} of {pc['queried_tokens']} prompt tokens" in capsys.readouterr().out
+    assert (
+        f"prefix cache: {hits} of {pc['queried_tokens']} prompt tokens" in capsys.readouterr().out
+    )
 
 
 def test_a_cache_salt_shares_blocks_only_with_its_own(llama_dir):
     prompt = shared_prompts(seed=7)[0]
-    salted = [
-        {"prompt_token_ids": prompt, "cache_salt": salt} for salt in ("a", "b", "a")
-    ] + [prompt]
+    salted = [{"prompt_token_ids": prompt, "cache_salt": salt} for salt in ("a", "b", "a")] + [
+        prompt
+    ]
     with LLM(str(llama_dir), dtype="float32", max_model_len=256) as llm:
         outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in salted]
         with pytest.raises(ValueError, match="cache_salt"):

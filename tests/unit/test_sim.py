@@ -679,7 +679,10 @@ def test_simulated_prefix_caching_is_reported(model_dir: Path, tmp_path: Path, c
         runs[flag] = summary_of(out / "sarathi")
         assert main(["report", str(out / "sarathi")]) == 0
     on = runs["--enable-prefix-caching"]["requests"]
-    assert on["prefix_cache"]["hit_tokens"] == 7 * 320 and on["prefix_cache"]["queried_tokens"] == 8 * 360
+    assert (
+        on["prefix_cache"]["hit_tokens"] == 7 * 320
+        and on["prefix_cache"]["queried_tokens"] == 8 * 360
+    )
     assert "prefix cache: 2240 of 2880 prompt tokens cached" in capsys.readouterr().out
     assert runs["--no-enable-prefix-caching"]["requests"]["prefix_cache"] is None
     assert on["duration_s"] < runs["--no-enable-prefix-caching"]["requests"]["duration_s"]
