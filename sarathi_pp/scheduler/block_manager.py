@@ -214,9 +214,9 @@ class BlockManager:
         """``seq``'s tokens up to ``end`` are written on every stage: its full blocks among
         them become hittable (a block whose content another block holds already is not:
         the first one written stays the one found)."""
-        if not self.enable_prefix_caching:
-            return
         num = min(end, len(seq.token_ids)) // self.block_size
+        if num <= seq.num_published_blocks or not self.enable_prefix_caching:
+            return  # no block filled since (most decodes)
         hashes = block_hashes(seq, num, self.block_size)
         for i in range(seq.num_published_blocks, num):
             h, block = hashes[i], seq.block_table[i]
