@@ -93,7 +93,14 @@ def test_sampled_logprobs_are_the_raw_models(llama_dir):
         c = out.outputs[0]
         check_against_hf(llama_dir, prompt, c, 5)
         ranks += [entry[t].rank for t, entry in zip(c.token_ids, c.logprobs)]
-        assert rerun.outputs[0].logprobs == c.logprobs  # seeded: the same again
+        # seeded: the same again (the rerun reads its prompt's K/V from the prefix cache,
+        # computed in other chunks: the values agree to float32's last bits)
+        assert rerun.outputs[0].token_ids == c.token_ids
+        for got, want in zip(rerun.outputs[0].logprobs, c.logprobs, strict=True):
+            assert {t: e.rank for t, e in got.items()} == {t: e.rank for t, e in want.items()}
+            assert [e.logprob for e in got.values()] == pytest.approx(
+                [e.logprob for e in want.values()], abs=1e-5
+            )
         # asking for log-probabilities does not change what is sampled
         assert p.outputs[0].token_ids == c.token_ids
         assert p.outputs[0].logprobs is None and p.outputs[0].cumulative_logprob is None
