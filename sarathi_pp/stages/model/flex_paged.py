@@ -199,7 +199,8 @@ def prefill_block_mask(
     num_q_blocks = rows // Q_BLOCK
     table = _padded_table(context_blocks.view(1, -1), 1, width)[0]
     # a tensor, not an int: a compiled call would specialise on (recompile for) each start
-    first = torch.tensor(start, device=device)
+    # (torch.full: a fill on the device; torch.tensor(start, device=...) waits for it)
+    first = torch.full((), start, dtype=torch.int64, device=device)
     # q block i's rows sit at positions start + i * Q_BLOCK .. start + min((i + 1) * Q_BLOCK,
     # n) - 1: the blocks wholly at or before its first row are full for all of them (the
     # kernel skips mask_mod there), the rest up to its last row's block partial.

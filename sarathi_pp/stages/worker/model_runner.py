@@ -29,7 +29,7 @@ from sarathi_pp.stages.model.backend_choice import AttentionRecord, choose_backe
 from sarathi_pp.stages.model.kv_cache import KVCache
 from sarathi_pp.stages.model.llama import StageModel
 from sarathi_pp.stages.worker.device import check_free_cuda_memory
-from sarathi_pp.stages.worker.metadata import build_metadata, sample_rows
+from sarathi_pp.stages.worker.metadata import build_inputs, sample_rows
 from sarathi_pp.stages.worker.penalties import PenaltyState, apply_penalties
 from sarathi_pp.stages.worker.sampler import (
     INVALID_TOKEN,
@@ -38,6 +38,7 @@ from sarathi_pp.stages.worker.sampler import (
     sample,
     target_logprobs,
 )
+from sarathi_pp.stages.worker.upload import PinnedUpload, Upload
 
 # A row's logits are not all finite (a sampled token's, a prompt position's): its request fails.
 NON_FINITE = "the model produced non-finite logits"
@@ -107,6 +108,8 @@ class ModelRunner:
         self.backend = "torch"
         self.attention: AttentionRecord | None = None  # set with the KV cache
         self.penalties = PenaltyState()  # the last stage's: penalized sequences' tokens
+        # Note [one upload per micro-batch] (upload.py); a test swaps in a counting one
+        self.upload: Upload = PinnedUpload(self.device)
 
     # --- set-up, in two steps: weights first, then the KV cache sized from what is left ---
     def load_model(self) -> int:
@@ -184,7 +187,9 @@ class ModelRunner:
         """Run this stage on ``microbatch``. Returns hidden states ``[num_tokens, hidden]`` for the
         next stage, or on the last stage its ``MicroBatchResult`` (the sampled tokens)."""
         assert self.model is not None and self.kv is not None, "load_model/init_kv_cache first"
-        token_ids, meta = build_metadata(microbatch, self.block_size, self.device, self.backend)
+        token_ids, meta, rows = build_inputs(
+            microbatch, self.block_size, self.device, self.backend, self.upload
+        )
         if self.stage.is_first:
             inputs = token_ids
         else:
@@ -198,9 +203,11 @@ class ModelRunner:
         out = self.model.forward(inputs, meta, self.kv)
         if not self.stage.is_last:
             return out
-        return self._sample(microbatch, out)
+        return self._sample(microbatch, out, rows)
 
-    def _sample(self, microbatch: MicroBatch, hidden: torch.Tensor) -> MicroBatchResult:
+    def _sample(
+        self, microbatch: MicroBatch, hidden: torch.Tensor, row_idx: torch.Tensor
+    ) -> MicroBatchResult:
         """The last stage's result: each sampling sequence's token (and its log-probabilities
         if asked for), or its failure (non-finite logits: that request fails alone)."""
         assert self.model is not None
@@ -211,7 +218,7 @@ class ModelRunner:
         if not rows:
             return result
         chunks = [c for c in microbatch.chunks if c.do_sample]
-        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.model.logits(hidden[row_idx])  # row_idx: ``rows`` on the device
         # every chunk's (do_sample: sampling_params is not None); the filter narrows the type
         params = [c.sampling_params for c in chunks if c.sampling_params is not None]
         num_outputs = [c.num_output_tokens for c in chunks]

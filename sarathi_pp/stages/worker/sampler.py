@@ -33,8 +33,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_outputs: list
             probs, [params[i] for i in random_rows], [num_outputs[i] for i in random_rows]
         )
     bad = ~torch.isfinite(logits).all(dim=-1)
-    tokens[bad] = INVALID_TOKEN
-    return tokens.tolist()
+    # where, not tokens[bad] = ...: boolean indexing would wait for the device (nonzero)
+    tokens = torch.where(bad, INVALID_TOKEN, tokens)
+    return tokens.tolist()  # the step's one wait for the device: the sampled tokens
 
 
 def processed_logits(
