@@ -69,10 +69,12 @@ class UniprocExecutor:
         else:
             result = self._run(microbatch)
         end = time.monotonic()
+        # Note [compute spans from CUDA events] (stages/worker/timing.py); CPU: the host's
+        start, compute_end = self.runner.clock.span(microbatch.microbatch_id, compute_start, end)
         result.events = [
             StageEvent(0, microbatch.microbatch_id, microbatch.kind, microbatch.num_prefill_tokens,
-                       microbatch.num_decode_tokens, self._free_since, compute_start, compute_start,
-                       end, end, self.runner.take_attention_report())
+                       microbatch.num_decode_tokens, self._free_since, compute_start, start,
+                       compute_end, end, self.runner.take_attention_report())
         ]  # fmt: skip
         self._free_since = end
         self._done.append((microbatch, result))

@@ -38,6 +38,7 @@ from sarathi_pp.stages.worker.sampler import (
     sample,
     target_logprobs,
 )
+from sarathi_pp.stages.worker.timing import StageClock, WallClock, stage_clock
 from sarathi_pp.stages.worker.upload import PinnedUpload, Upload
 
 # A row's logits are not all finite (a sampled token's, a prompt position's): its request fails.
@@ -64,6 +65,7 @@ class StageSpec:
     prefault: bool = False  # cache.prefault: map the whole KV cache at start-up
     attention_backend: str = "auto"  # model.attention_backend
     strict_attention_backend: bool = False  # model.strict_attention_backend
+    enforce_eager: bool = True  # model.enforce_eager: no CUDA graphs
 
     @classmethod
     def of(
@@ -82,6 +84,7 @@ class StageSpec:
             stage_idx, placement.num_stages, start, end, placement.dtype,
             device or placement.device, placement.memory_bytes, placement.num_threads,
             token_ring, prefault, placement.attention_backend, placement.strict_attention_backend,
+            placement.enforce_eager,
         )  # fmt: skip
 
     @property
@@ -110,6 +113,8 @@ class ModelRunner:
         self.penalties = PenaltyState()  # the last stage's: penalized sequences' tokens
         # Note [one upload per micro-batch] (upload.py); a test swaps in a counting one
         self.upload: Upload = PinnedUpload(self.device)
+        # Note [compute spans from CUDA events] (timing.py); CUDA's made with the KV cache
+        self.clock: StageClock = WallClock()
 
     # --- set-up, in two steps: weights first, then the KV cache sized from what is left ---
     def load_model(self) -> int:
@@ -165,6 +170,7 @@ class ModelRunner:
         )  # fmt: skip
         for layer in self.model.layers:
             layer.attention = attention
+        self.clock = stage_clock(self.device, st.stage_idx)
 
     def take_attention_report(self) -> AttentionReport | None:
         """The stage's attention backend and fallbacks when they changed since last taken
@@ -187,6 +193,14 @@ class ModelRunner:
         """Run this stage on ``microbatch``. Returns hidden states ``[num_tokens, hidden]`` for the
         next stage, or on the last stage its ``MicroBatchResult`` (the sampled tokens)."""
         assert self.model is not None and self.kv is not None, "load_model/init_kv_cache first"
+        self.clock.begin(microbatch.microbatch_id)
+        try:
+            return self._execute(microbatch, hidden)
+        finally:
+            self.clock.end(microbatch.microbatch_id)
+
+    def _execute(self, microbatch: MicroBatch, hidden: torch.Tensor | None):
+        assert self.model is not None and self.kv is not None
         token_ids, meta, rows = build_inputs(
             microbatch, self.block_size, self.device, self.backend, self.upload
         )
