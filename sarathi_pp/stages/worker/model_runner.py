@@ -9,6 +9,8 @@ stages after the first, the hidden states received from the previous stage.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +26,11 @@ from sarathi_pp.microbatch import (
 from sarathi_pp.model_spec import ModelSpec
 from sarathi_pp.placement import Placement
 from sarathi_pp.stage_memory import PROMPT_LOGITS_ROWS, StageMemory
-from sarathi_pp.stages.model.attention import make_backend
+from sarathi_pp.stages.model.attention import TorchAttention, make_backend
 from sarathi_pp.stages.model.backend_choice import AttentionRecord, choose_backend
 from sarathi_pp.stages.model.kv_cache import KVCache
 from sarathi_pp.stages.model.llama import StageModel
+from sarathi_pp.stages.worker.cuda_graphs import DecodeGraphs, cuda_capture, graph_buckets
 from sarathi_pp.stages.worker.device import check_free_cuda_memory
 from sarathi_pp.stages.worker.metadata import build_inputs, sample_rows
 from sarathi_pp.stages.worker.penalties import PenaltyState, apply_penalties
@@ -46,6 +49,9 @@ NON_FINITE = "the model produced non-finite logits"
 RULED_OUT = (
     "every token was ruled out (allowed_token_ids, bad_words, min_tokens): nothing to sample"
 )
+# The largest decode batch with a CUDA graph (Note [decode graphs]); vLLM's default is 512.
+MAX_GRAPH_BATCH = 256
+logger = logging.getLogger(__name__)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -111,6 +117,7 @@ class ModelRunner:
         self.backend = "torch"
         self.attention: AttentionRecord | None = None  # set with the KV cache
         self.penalties = PenaltyState()  # the last stage's: penalized sequences' tokens
+        self.graphs: DecodeGraphs | None = None  # model.enforce_eager false, on CUDA
         # Note [one upload per micro-batch] (upload.py); a test swaps in a counting one
         self.upload: Upload = PinnedUpload(self.device)
         # Note [compute spans from CUDA events] (timing.py); CUDA's made with the KV cache
@@ -143,14 +150,16 @@ class ModelRunner:
         assert self.model is not None
         st = self.stage
         m_kv = self.spec.kv_bytes_per_token(st.layer_end - st.layer_start, st.dtype)
+        # Note [decode graphs]: graphs pad with a decode writing to a scratch block, the last
+        scratch = int(not st.enforce_eager)
         check_free_cuda_memory(
-            self.device, num_blocks * block_size * m_kv,
+            self.device, (num_blocks + scratch) * block_size * m_kv,
             f"stage {st.stage_idx}'s KV cache ({num_blocks} blocks of {block_size} tokens)",
         )  # fmt: skip
         s = self.spec
         self.kv = KVCache(
             self.model.num_layers,
-            num_blocks,
+            num_blocks + scratch,
             block_size,
             s.num_kv_heads,
             s.head_dim,
@@ -164,13 +173,61 @@ class ModelRunner:
         self.backend = choose_backend(
             st.attention_backend, self.device, self.dtype, block_size, self.attention
         )
-        attention = make_backend(
-            self.backend, s.num_heads, s.num_kv_heads, s.head_dim, self.attention,
-            max_blocks_per_seq=-(-(self.max_model_len + 1) // block_size),
-        )  # fmt: skip
+        attention = self._attention_backend()  # one, shared by the layers
         for layer in self.model.layers:
             layer.attention = attention
         self.clock = stage_clock(self.device, st.stage_idx)
+        self.graphs = None
+        if scratch and self.device.type == "cuda":
+            pool = torch.cuda.graph_pool_handle()
+            self.capture_graphs(lambda fn: cuda_capture(fn, pool))
+
+    def _attention_backend(self) -> TorchAttention:
+        s, record = self.spec, self.attention
+        assert record is not None
+        return make_backend(
+            self.backend, s.num_heads, s.num_kv_heads, s.head_dim, record,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+        )  # fmt: skip
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-(self.max_model_len + 1) // self.block_size)
+
+    def capture_graphs(
+        self,
+        capture: Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]],
+        buckets: tuple[int, ...] | None = None,
+    ) -> DecodeGraphs:
+        """Capture the decode graphs of every bucket (Note [decode graphs]) with ``capture``
+        (on CUDA ``cuda_capture``; a test's runs the function itself, on CPU); the layers'
+        attention is a fresh instance meanwhile, whose buffers the graphs keep."""
+        assert self.model is not None and self.kv is not None and self.attention is not None
+        assert self.kv.num_blocks > 0
+        record = self.attention
+        graphs = DecodeGraphs(
+            self.stage.stage_idx, buckets or graph_buckets(MAX_GRAPH_BATCH),
+            lambda why: record.fallback(why, strict=False),
+        )  # fmt: skip
+        layers = self.model.layers
+        eager = [layer.attention for layer in layers]
+        fresh = self._attention_backend()
+        for layer in layers:
+            layer.attention = fresh
+        try:
+            hidden = None if self.stage.is_first else self.spec.hidden_size
+            graphs.capture(
+                self.model.forward, self.kv, self.max_blocks_per_seq, hidden, self.dtype, capture
+            )
+        finally:
+            for layer, a in zip(layers, eager):
+                layer.attention = a
+        logger.info(
+            "stage %d: CUDA graphs captured for decode batches %s%s", self.stage.stage_idx,
+            sorted(graphs.static), f" (failed: {sorted(graphs.failed)})" if graphs.failed else "",
+        )  # fmt: skip
+        self.graphs = graphs
+        return graphs
 
     def take_attention_report(self) -> AttentionReport | None:
         """The stage's attention backend and fallbacks when they changed since last taken
@@ -214,7 +271,12 @@ class ModelRunner:
                     f"[{microbatch.num_tokens}, {self.spec.hidden_size}], got {got}"
                 )
             inputs = hidden
-        out = self.model.forward(inputs, meta, self.kv)
+        bucket = self.graphs.plan(microbatch) if self.graphs is not None else None
+        if bucket is not None:  # Note [decode graphs]
+            assert self.graphs is not None
+            out = self.graphs.replay(bucket, inputs, meta)
+        else:
+            out = self.model.forward(inputs, meta, self.kv)
         if not self.stage.is_last:
             return out
         return self._sample(microbatch, out, rows)
