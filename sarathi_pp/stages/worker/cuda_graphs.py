@@ -84,17 +84,17 @@ class _StaticDecode:
         self, rows: int, width: int, block_size: int, scratch_block: int, hidden: int | None,
         dtype: torch.dtype, device: torch.device,
     ) -> None:  # fmt: skip
-        long = dict(dtype=torch.long, device=device)
+        long = torch.long
         self.rows, self.width, self.scratch_block = rows, width, scratch_block
         # stage 0 reads token ids, the others hidden states [rows, hidden]
         self.inputs = (
-            torch.zeros(rows, **long) if hidden is None
+            torch.zeros(rows, dtype=long, device=device) if hidden is None
             else torch.zeros(rows, hidden, dtype=dtype, device=device)
         )  # fmt: skip
-        self.positions = torch.zeros(rows, **long)
-        self.slots = torch.full((rows,), scratch_block * block_size, **long)
-        self.blocks = torch.full((rows, width), scratch_block, **long)
-        self.lens = torch.ones(rows, **long)
+        self.positions = torch.zeros(rows, dtype=long, device=device)
+        self.slots = torch.full((rows,), scratch_block * block_size, dtype=long, device=device)
+        self.blocks = torch.full((rows, width), scratch_block, dtype=long, device=device)
+        self.lens = torch.ones(rows, dtype=long, device=device)
         self.arange = torch.arange(width * block_size, device=device)
         self.mask = torch.zeros(rows, 1, 1, width * block_size, dtype=torch.bool, device=device)
         self.mask[:, 0, 0, 0] = True
@@ -137,6 +137,11 @@ class _StaticDecode:
         self.mask[n:, 0, 0, 0] = True
         self.meta.block_tables[n:] = self.scratch_block  # type: ignore[index]
         self.meta.context_lens[n:] = 1  # type: ignore[index]
+
+
+def _layers_over(forward: Forward, st: _StaticDecode, kv: KVCache) -> Callable[[], torch.Tensor]:
+    """The function a bucket's graph captures: the layers over its static buffers."""
+    return lambda: forward(st.inputs, st.meta, kv)
 
 
 class DecodeGraphs:
@@ -198,7 +203,7 @@ class DecodeGraphs:
         for b in reversed(self.buckets):
             st = _StaticDecode(b, width, kv.block_size, scratch, hidden, dtype, device)
             try:
-                st.replay = capture(lambda st=st: forward(st.inputs, st.meta, kv))
+                st.replay = capture(_layers_over(forward, st, kv))
             except Exception as e:  # noqa: BLE001 - a failed capture must not fail the stage
                 self.failed[b] = f"its capture failed: {type(e).__name__}: {str(e)[:200]}"
                 logger.warning("stage %d: CUDA graph of bucket %d: %s", self.stage_idx, b,

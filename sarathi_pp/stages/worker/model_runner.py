@@ -32,6 +32,7 @@ from sarathi_pp.stages.model.kv_cache import KVCache
 from sarathi_pp.stages.model.llama import StageModel
 from sarathi_pp.stages.worker.cuda_graphs import DecodeGraphs, cuda_capture, graph_buckets
 from sarathi_pp.stages.worker.device import check_free_cuda_memory
+from sarathi_pp.stages.worker.memory_probe import MemoryProbe, profiling_microbatch
 from sarathi_pp.stages.worker.metadata import build_inputs, sample_rows
 from sarathi_pp.stages.worker.penalties import PenaltyState, apply_penalties
 from sarathi_pp.stages.worker.sampler import (
@@ -228,6 +229,35 @@ class ModelRunner:
         )  # fmt: skip
         self.graphs = graphs
         return graphs
+
+    def profile_activations(
+        self, rows: int, sampled: int, in_flight: int, block_size: int, probe: MemoryProbe
+    ) -> int:
+        """``M_A`` of this stage measured by a profiling forward of ``rows`` rows, the last
+        stage sampling ``sampled`` of them, with ``in_flight`` micro-batches in flight
+        (Note [profiling forward], ``memory_probe.py``); before ``init_kv_cache``."""
+        assert self.model is not None and self.kv is None, "after load_model, before the cache"
+        if rows < 1:
+            raise ValueError(f"a profiling forward needs rows >= 1, got {rows}")
+        microbatch, num_blocks = profiling_microbatch(
+            rows, max(1, min(sampled, rows)), self.max_model_len, block_size
+        )
+        self.init_kv_cache(num_blocks, block_size)
+        hidden = None
+        if not self.stage.is_first:
+            hidden = torch.zeros(rows, self.spec.hidden_size, dtype=self.dtype, device=self.device)
+        try:
+            probe.reset_peak()
+            base = probe.allocated()
+            self.execute(microbatch, hidden)
+            peak = probe.peak() - base
+        finally:
+            self.kv, self.graphs = None, None
+            self.penalties = PenaltyState()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        waiting = (in_flight - 1) * rows * self.spec.hidden_size * self.dtype.itemsize
+        return max(0, peak) + max(0, waiting)
 
     def take_attention_report(self) -> AttentionReport | None:
         """The stage's attention backend and fallbacks when they changed since last taken
