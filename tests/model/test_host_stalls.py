@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sarathi_pp import LLM, SamplingParams
+from sarathi_pp.stages.kernels.cpu import fused
 from sarathi_pp.stages.worker import model_runner, sampler
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -69,8 +70,10 @@ def generate(model_dir, instrument=None) -> list[list[int]]:
 def test_a_run_reads_nothing_from_the_device_but_the_sampled_tokens(llama_dir, monkeypatch):
     # the torch ops and F.linear (what CUDA runs), which see the stand-in; the C kernels
     # of the CPU path read data pointers
-    for switch in ("SARATHI_PP_CPU_FUSED", "SARATHI_PP_CPU_GEMM", "SARATHI_PP_ONEDNN_LINEAR"):
+    for switch in ("SARATHI_PP_CPU_GEMM", "SARATHI_PP_ONEDNN_LINEAR"):
         monkeypatch.setenv(switch, "0")
+    # (the fused kernels' switch is read once per process: cached with the library)
+    monkeypatch.setattr(fused, "fused_applies", lambda dtype, device: False)
     reference = generate(llama_dir)
     uploads: list[int] = []
     samples: list[int] = []
