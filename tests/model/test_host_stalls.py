@@ -17,7 +17,16 @@ from sarathi_pp import LLM, SamplingParams
 from sarathi_pp.stages.kernels.cpu import fused
 from sarathi_pp.stages.worker import model_runner, sampler
 
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+# greedy, and sampled with every per-row control the last stage applies on the device
+PARAMS = [
+    SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=8, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=7,
+                   ignore_eos=True),
+    SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5,
+                   logit_bias={5: 3.0, 200: -2.0}, ignore_eos=True),
+    SamplingParams(max_tokens=8, temperature=1.0, seed=3, allowed_token_ids=[7, 8, 9, 10],
+                   min_tokens=4, ignore_eos=True),
+]  # fmt: skip
 # Tensor methods that hand device values to the host (each waits for the device on CUDA)
 HOST_READS = {
     "tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu",
@@ -64,7 +73,7 @@ def generate(model_dir, instrument=None) -> list[list[int]]:
     ) as llm:  # fmt: skip
         if instrument is not None:
             instrument(llm.engine.executor.runner)
-        return [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts(), PARAMS, use_tqdm=False)]
 
 
 def test_a_run_reads_nothing_from_the_device_but_the_sampled_tokens(llama_dir, monkeypatch):
@@ -82,17 +91,17 @@ def test_a_run_reads_nothing_from_the_device_but_the_sampled_tokens(llama_dir, m
         uploads.append(host.numel())
         return host.clone().as_subclass(DeviceStandIn)
 
-    def token_copy(logits, params, num_outputs):
-        # the one read a step may make: sample()'s tokens.tolist()
-        samples.append(len(params))
+    def token_copy(tokens):
+        # the one read a step may make: the sampled tokens' copy
+        samples.append(len(tokens))
         DeviceStandIn.allowed_reads = 1
         try:
-            return sampler.sample(logits, params, num_outputs)
+            return sampler.tokens_to_host(tokens)
         finally:
             assert DeviceStandIn.allowed_reads == 0, "the token copy did not read the device"
             DeviceStandIn.allowed_reads = 0
 
-    monkeypatch.setattr(model_runner, "sample", token_copy)
+    monkeypatch.setattr(model_runner, "tokens_to_host", token_copy)
     executes: list[int] = []
 
     def instrument(runner):

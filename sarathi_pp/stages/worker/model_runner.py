@@ -39,8 +39,9 @@ from sarathi_pp.stages.worker.sampler import (
     INVALID_TOKEN,
     logprobs,
     processed_logits,
-    sample,
+    sample_on_device,
     target_logprobs,
+    tokens_to_host,
 )
 from sarathi_pp.stages.worker.timing import StageClock, WallClock, stage_clock
 from sarathi_pp.stages.worker.upload import PinnedUpload, Upload
@@ -337,11 +338,16 @@ class ModelRunner:
             in_place=sampling_logits is not logits,
             outputs=outputs,
         )
-        tokens = sample(sampling_logits, params, num_outputs)
+        on_device = sample_on_device(sampling_logits, params, num_outputs)
         if sampling_logits is not logits:  # a row whose every token its rules ruled out
             lowest = torch.finfo(sampling_logits.dtype).min
-            for i in (sampling_logits.amax(dim=-1) <= lowest).nonzero().flatten().tolist():
+            ruled_out = (sampling_logits.amax(dim=-1) <= lowest).long()
+            # one copy to the host for both (Note [one upload per micro-batch])
+            tokens, ruled = tokens_to_host(torch.stack([on_device, ruled_out]))
+            for i in (i for i, r in enumerate(ruled) if r):
                 result.errors.setdefault(chunks[i].seq_id, RULED_OUT)
+        else:
+            tokens = tokens_to_host(on_device)
         for i in kept:
             self.penalties.sampled(chunks[i], tokens[i])
         for i, lp in logprobs(logits, params, tokens).items():

@@ -39,3 +39,12 @@ class PinnedUpload:
         if self.device.type == "cpu":
             return host
         return host.to(self.device, non_blocking=True)
+
+
+def to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` without waiting for the device:
+    on CUDA from pinned memory, non-blocking (the last stage's sampling parameters, which
+    vary per row: Note [one upload per micro-batch]); on CPU the same tensor as before."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
