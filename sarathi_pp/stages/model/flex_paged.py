@@ -114,13 +114,15 @@ class FlexMasks:
 def block_logical_map(tables: list[torch.Tensor], num_blocks: int, device) -> torch.Tensor:
     """``[num_blocks]`` int32: each block's logical index in the sequences that hold it
     (``tables``: each a 1-D block table, or ``[n, blocks]`` with -1 padding), else -1."""
-    m = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
+    # one spare entry past the cache takes the -1 padding's writes: a scatter without the
+    # boolean mask, which would wait for the device (nonzero)
+    m = torch.full((num_blocks + 1,), -1, dtype=torch.int32, device=device)
     for t in tables:
         t = t.reshape(-1, t.shape[-1])
         logical = torch.arange(t.shape[-1], dtype=torch.int32, device=device).expand_as(t)
-        used = t >= 0
-        m[t[used]] = logical[used]
-    return m
+        target = torch.where(t >= 0, t, num_blocks).to(torch.long)
+        m.index_put_((target.flatten(),), logical.flatten())
+    return m[:num_blocks]
 
 
 def _padded_table(table: torch.Tensor, rows: int, width: int) -> torch.Tensor:
