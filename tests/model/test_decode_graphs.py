@@ -59,11 +59,13 @@ def prompts() -> list[list[int]]:
 sizes: list[tuple[int, int]] = []
 
 
-def run(model_dir, run_dir, graphs: bool) -> tuple[list[list[int]], DecodeGraphs | None, dict]:
+def run(
+    model_dir, run_dir, graphs: bool, backend: str
+) -> tuple[list[list[int]], DecodeGraphs | None, dict]:
     with LLM(
         str(model_dir), max_model_len=96, dtype="float32", chunk_size=32, tile_align=False,
-        block_size=16, run_dir=str(run_dir), **{"model.attention_backend": "torch"},
-        **{"model.enforce_eager": not graphs},
+        block_size=16, run_dir=str(run_dir), **{"model.attention_backend": backend},
+        **{"model.enforce_eager": not graphs}, **{"cache.num_kv_blocks": 64},
     ) as llm:  # fmt: skip
         runner = llm.engine.executor.runner
         captured = runner.capture_graphs(lambda fn: fn, buckets=(1, 2, 4)) if graphs else None
@@ -83,9 +85,12 @@ def run(model_dir, run_dir, graphs: bool) -> tuple[list[list[int]], DecodeGraphs
     return [o.outputs[0].token_ids for o in outs], captured, summary
 
 
-def test_decodes_through_padded_static_buffers_give_the_eager_tokens(llama_dir, tmp_path):
-    eager, _, _ = run(llama_dir, tmp_path / "eager", graphs=False)
-    got, graphs, summary = run(llama_dir, tmp_path / "graphs", graphs=True)
+@pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
+@pytest.mark.parametrize("backend", ["torch", "flex_paged"])
+def test_decodes_through_padded_static_buffers_give_the_eager_tokens(llama_dir, tmp_path, backend):
+    sizes.clear()
+    eager, _, _ = run(llama_dir, tmp_path / "eager", False, backend)
+    got, graphs, summary = run(llama_dir, tmp_path / "graphs", True, backend)
     assert got == eager and len({tuple(t) for t in got}) > 1
     assert graphs is not None and sorted(graphs.static) == [1, 2, 4]
     assert graphs.replays > 0 and len(sizes) == graphs.replays

@@ -140,8 +140,15 @@ class _StaticDecode:
 
 
 def _layers_over(forward: Forward, st: _StaticDecode, kv: KVCache) -> Callable[[], torch.Tensor]:
-    """The function a bucket's graph captures: the layers over its static buffers."""
-    return lambda: forward(st.inputs, st.meta, kv)
+    """The function a bucket's graph captures: the layers over its static buffers, the
+    FlexAttention block masks rebuilt inside (captured too, so a replay rebuilds them from
+    the buffers; masks kept from the warm-up call would be the padding's)."""
+
+    def layers() -> torch.Tensor:
+        st.meta.flex_masks = None
+        return forward(st.inputs, st.meta, kv)
+
+    return layers
 
 
 class DecodeGraphs:
@@ -161,6 +168,9 @@ class DecodeGraphs:
         self.failed: dict[int, str] = {}  # bucket -> why its capture failed
         self.replays = 0
         self.eager_decodes = 0  # decode micro-batches that found no graph
+        # the attention the graphs were captured with: its buffers, which the graphs read
+        # and write, live as long as the graphs
+        self.attention: object | None = None
 
     def bucket_for(self, num_decodes: int) -> int | None:
         """The smallest bucket that holds ``num_decodes`` rows; ``None`` above the largest."""

@@ -213,7 +213,7 @@ class ModelRunner:
         )  # fmt: skip
         layers = self.model.layers
         eager = [layer.attention for layer in layers]
-        fresh = self._attention_backend()
+        fresh = graphs.attention = self._attention_backend()
         for layer in layers:
             layer.attention = fresh
         try:
