@@ -356,16 +356,16 @@ class StageTransport:
             return self._recv_ahead(expected, dtype)
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         self._wait(self._irecv(header, microbatch_id), microbatch_id, "recv", self.timeout_s)
-        if self.header_checks is not None:
-            self.header_checks.poll()  # the earlier micro-batches' headers, where copied
-            self.header_checks.add(expected, header)
-        else:
+        if self.header_checks is None:
             received = [int(v) for v in header.tolist()]
             if received != expected:
                 self._mismatch(expected, received)
         hidden = torch.empty((num_tokens, hidden_size), dtype=dtype, device=self.device)
         if hidden.numel():
             self._wait(self._irecv(hidden, microbatch_id), microbatch_id, "recv", self.timeout_s)
+        if self.header_checks is not None:  # after the payload: the sender's send completes
+            self.header_checks.add(expected, header)
+            self.header_checks.poll()  # the headers copied by now, this one's included
         return hidden
 
     def _recv_ahead(self, expected: list[int], dtype: torch.dtype) -> torch.Tensor:
