@@ -50,6 +50,8 @@ class _Pack:
         return len(self.parts) - 1
 
     def upload(self, upload: Upload, pin: bool) -> list[torch.Tensor]:
+        if not getattr(upload, "packs", True):  # CPU: the host tensors themselves
+            return list(self.parts)
         flat = [p.reshape(-1).to(torch.long) for p in self.parts]
         size = sum(p.numel() for p in flat)
         host = torch.empty(size, dtype=torch.long, pin_memory=pin)
