@@ -70,13 +70,15 @@ def test_event_spans_are_read_only_once_complete_and_without_a_wait():
 
 def test_a_span_reported_before_its_events_complete_is_the_hosts_and_counted():
     dev = Device()
-    clock = CudaEventClock(0, dev.event, now=lambda: 50.0)
+    recorded: list[str] = []
+    clock = CudaEventClock(0, dev.event, now=lambda: 50.0, record=recorded.append)
     dev.queue_ms = 1.0
     clock.begin(3)
     dev.queue_ms = 2.0
     clock.end(3)
     assert clock.span(3, 50.0005, 50.0007) == (50.0005, 50.0007)  # host times
     assert (clock.host_spans, clock.gpu_spans) == (1, 0) and not clock.pending
+    assert len(recorded) == 1 and recorded[0].startswith("timing: compute spans from the host")
     dev.queue_ms = 3.0
     clock.begin(4)
     dev.queue_ms = 9.0
@@ -84,7 +86,7 @@ def test_a_span_reported_before_its_events_complete_is_the_hosts_and_counted():
     dev.now_ms = 9.0  # the last stage: its token copy waited for the device
     # the GPU's span, kept within the host's reads around the micro-batch
     assert clock.span(4, 50.0, 50.02) == pytest.approx((50.003, 50.009))
-    assert (clock.host_spans, clock.gpu_spans) == (1, 1)
+    assert (clock.host_spans, clock.gpu_spans) == (1, 1) and len(recorded) == 1
 
 
 def test_the_wall_clock_keeps_the_hosts_span():

@@ -178,7 +178,10 @@ class ModelRunner:
         attention = self._attention_backend()  # one, shared by the layers
         for layer in self.model.layers:
             layer.attention = attention
-        self.clock = stage_clock(self.device, st.stage_idx)
+        record = self.attention
+        self.clock = stage_clock(
+            self.device, st.stage_idx, lambda why: record.fallback(why, strict=False)
+        )
         self.graphs = None
         if scratch and self.device.type == "cuda":
             pool = torch.cuda.graph_pool_handle()

@@ -9,8 +9,9 @@ the host's clock through an anchor, an event whose host time was taken when the 
 set up (one ``synchronize`` then, never in a step): ``anchor_host + anchor.elapsed_time(e)``.
 The last stage's events are complete when it reports (its token copy waited for them), so
 its span is the GPU's; a stage whose events are still running when it reports (a stage
-before the last, under PP) reports the host's span and counts it in ``host_spans`` (the
-stage's event carries no later correction yet).
+before the last, under PP) reports the host's span, counts it in ``host_spans`` and says
+so once in the stage's record (the run dir's fallbacks); its event carries no later
+correction yet.
 
 ``StageClock`` is the interface; ``WallClock`` (CPU) leaves the host's span as it is.
 """
@@ -68,8 +69,10 @@ class CudaEventClock:
         stage_idx: int,
         event: Callable[[], Any] | None = None,
         now: Callable[[], float] = time.monotonic,
+        record: Callable[[str], None] | None = None,
     ) -> None:
         self.stage_idx = stage_idx
+        self.record = record  # where a host span's reason goes (the stage's run-dir record)
         self.event = event or (lambda: torch.cuda.Event(enable_timing=True))
         self.now = now
         self.anchor = self.event()
@@ -106,17 +109,25 @@ class CudaEventClock:
             self.pending.pop(microbatch_id, None)  # nothing would read it later
             self.host_spans += 1
             if self.host_spans == 1:
-                logger.info(
-                    "stage %d: micro-batch %d's CUDA events had not completed when the stage "
-                    "reported: its compute span is the host's (Note [compute spans from CUDA "
-                    "events]; counted in host_spans)", self.stage_idx, microbatch_id,
-                )  # fmt: skip
+                why = (
+                    "timing: compute spans from the host's clock where the stage's CUDA events "
+                    "had not completed when it reported (Note [compute spans from CUDA events])"
+                )
+                if self.record is not None:
+                    self.record(why)
+                else:
+                    logger.warning("stage %d: %s", self.stage_idx, why)
             return host_start, host_end
         self.gpu_spans += 1
         # on the report's time line: within what the host saw around the micro-batch's end
         return max(got[0], host_start), min(max(got[1], got[0]), host_end)
 
 
-def stage_clock(device: torch.device, stage_idx: int) -> StageClock:
-    """The clock of a stage on ``device``: CUDA events on CUDA, else the host's."""
-    return CudaEventClock(stage_idx) if device.type == "cuda" else WallClock()
+def stage_clock(
+    device: torch.device, stage_idx: int, record: Callable[[str], None] | None = None
+) -> StageClock:
+    """The clock of a stage on ``device``: CUDA events on CUDA (a host span's reason to
+    ``record``), else the host's."""
+    if device.type == "cuda":
+        return CudaEventClock(stage_idx, record=record)
+    return WallClock()
