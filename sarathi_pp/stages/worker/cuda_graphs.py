@@ -200,6 +200,8 @@ class DecodeGraphs:
     def capture(
         self,
         forward: Forward,
+        layers: list[Any],
+        attention: object,
         kv: KVCache,
         width: int,
         hidden: int | None,
@@ -207,19 +209,36 @@ class DecodeGraphs:
         capture: Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]],
     ) -> None:
         """Capture every bucket, largest first (smaller ones reuse its memory), over
-        ``kv`` whose last block is the scratch block; a bucket that fails is recorded."""
-        scratch = kv.num_blocks - 1
+        ``kv`` whose last block is the scratch block, with ``layers`` running ``attention``
+        meanwhile (a fresh instance, kept with the graphs: they use its buffers); a bucket
+        that fails is recorded."""
+        eager = [layer.attention for layer in layers]
+        self.attention = attention
+        for layer in layers:
+            layer.attention = attention
+        try:
+            for b in reversed(self.buckets):
+                self._capture_one(b, forward, kv, width, hidden, dtype, capture)
+        finally:
+            for layer, a in zip(layers, eager):
+                layer.attention = a
+        logger.info(
+            "stage %d: CUDA graphs captured for decode batches %s%s", self.stage_idx,
+            sorted(self.static), f" (failed: {sorted(self.failed)})" if self.failed else "",
+        )  # fmt: skip
+
+    def _capture_one(self, bucket, forward, kv, width, hidden, dtype, capture) -> None:
         device = kv.k[0].device if kv.k else torch.device("cpu")
-        for b in reversed(self.buckets):
-            st = _StaticDecode(b, width, kv.block_size, scratch, hidden, dtype, device)
-            try:
-                st.replay = capture(_layers_over(forward, st, kv))
-            except Exception as e:  # noqa: BLE001 - a failed capture must not fail the stage
-                self.failed[b] = f"its capture failed: {type(e).__name__}: {str(e)[:200]}"
-                logger.warning("stage %d: CUDA graph of bucket %d: %s", self.stage_idx, b,
-                               self.failed[b])  # fmt: skip
-                continue
-            self.static[b] = st
+        scratch = kv.num_blocks - 1  # the scratch block
+        st = _StaticDecode(bucket, width, kv.block_size, scratch, hidden, dtype, device)
+        try:
+            st.replay = capture(_layers_over(forward, st, kv))
+        except Exception as e:  # noqa: BLE001 - a failed capture must not fail the stage
+            self.failed[bucket] = f"its capture failed: {type(e).__name__}: {str(e)[:200]}"
+            logger.warning("stage %d: CUDA graph of bucket %d: %s", self.stage_idx, bucket,
+                           self.failed[bucket])  # fmt: skip
+            return
+        self.static[bucket] = st
 
     def replay(self, bucket: int, inputs: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The layers over a decode micro-batch through ``bucket``'s graph: its output rows

@@ -214,22 +214,10 @@ class ModelRunner:
             self.stage.stage_idx, buckets or graph_buckets(MAX_GRAPH_BATCH),
             lambda why: record.fallback(why, strict=False),
         )  # fmt: skip
-        layers = self.model.layers
-        eager = [layer.attention for layer in layers]
-        fresh = graphs.attention = self._attention_backend()
-        for layer in layers:
-            layer.attention = fresh
-        try:
-            hidden = None if self.stage.is_first else self.spec.hidden_size
-            graphs.capture(
-                self.model.forward, self.kv, self.max_blocks_per_seq, hidden, self.dtype, capture
-            )
-        finally:
-            for layer, a in zip(layers, eager):
-                layer.attention = a
-        logger.info(
-            "stage %d: CUDA graphs captured for decode batches %s%s", self.stage.stage_idx,
-            sorted(graphs.static), f" (failed: {sorted(graphs.failed)})" if graphs.failed else "",
+        hidden = None if self.stage.is_first else self.spec.hidden_size
+        graphs.capture(
+            self.model.forward, self.model.layers, self._attention_backend(), self.kv,
+            self.max_blocks_per_seq, hidden, self.dtype, capture,
         )  # fmt: skip
         self.graphs = graphs
         return graphs
