@@ -14,6 +14,12 @@ every fallback so far (a figure measured on a fallback says so: Note [no silent 
 * decode-only steps without and with a CUDA graph (the layers' forward captured once);
 * the control plane's L per micro-batch: the embedded model's engine on this device, the
   time per step outside ``ModelRunner.execute`` (scheduling, metadata, sampling return).
+* decode-only steps through the engine at 1, 8 and 64 decodes, eager and with the stage's
+  CUDA graphs (``--no-enforce-eager``), every graph fallback printed;
+* the KV blocks the engine sizes from a profiling forward (``cache.activation_memory:
+  profile``) against the estimate's;
+* a PP=1 run's bubble report with its compute spans from CUDA events (how many spans came
+  from the events, how many from the host's clock).
 * the embedded model end to end on the mixed reference workload
   (``configs/workloads/mixed.yaml``, all at once): our engine's output tokens/s against
   transformers' ``generate_batch`` on the same device, and their greedy token agreement in
@@ -311,6 +317,123 @@ def control_plane(device: str, steps: int, run: Run) -> None:
                 detail=f"embedded model; step compute {sum(inside) / n * 1e3:.2f} ms")  # fmt: skip
 
 
+def engine_decode_graphs(device: str, tiny: bool, run: Run) -> None:
+    """Decode-only steps through the engine (the embedded model, PP=1) at 1, 8 and 64
+    decodes, eager (``model.enforce_eager``) and replaying the stage's CUDA graphs
+    (``--no-enforce-eager``, Note [decode graphs]): the median time of a decode-only
+    ``execute``, sampling and the token copy included; every graph fallback printed."""
+    sizes = [1, 2] if tiny else [1, 8, 64]
+    if not device.startswith("cuda"):
+        for n in sizes:
+            eager = _engine_decode_ms(device, n, True, tiny)[0]
+            print(f"engine decode step ({n} decodes): eager {eager:.2f} ms; CUDA graphs: "
+                  "skipped (not on CUDA)")  # fmt: skip
+        return
+    for n in sizes:
+        eager, _ = _engine_decode_ms(device, n, True, tiny)
+        try:
+            graphs, why = _engine_decode_ms(device, n, False, tiny)
+        except Exception as e:  # noqa: BLE001 - report, do not stop the other figures
+            print(f"engine decode step ({n} decodes): eager {eager:.2f} ms; CUDA graphs "
+                  f"FAILED: {type(e).__name__}: {str(e)[:200]}")  # fmt: skip
+            continue
+        print(f"engine decode step ({n} decodes): eager {eager:.2f} ms, CUDA graphs "
+              f"{graphs:.2f} ms ({eager / graphs:.2f}x); {why}")  # fmt: skip
+        run.measure(f"engine decode step, {n} decodes, embedded model, PP=1", graphs, "ms",
+                    baseline=eager, baseline_label="enforce_eager", better="lower",
+                    detail=f"CUDA graphs (--no-enforce-eager); {why}")  # fmt: skip
+
+
+def _engine_decode_ms(device: str, n: int, eager: bool, tiny: bool) -> tuple[float, str]:
+    """The median decode-only step (ms) with ``n`` sequences decoding, and what the decode
+    graphs did (replays, eager decode micro-batches, fallbacks)."""
+    from sarathi_pp import LLM, SamplingParams
+
+    steps = 4 if tiny else 32
+    times: list[float] = []
+    with LLM("builtin:tiny-llama", device=device, max_model_len=256, max_num_seqs=max(n, 8),
+             **{"model.enforce_eager": eager}) as llm:  # fmt: skip
+        runner = llm.engine.executor.runner
+        execute = runner.execute
+
+        def timed_execute(microbatch, hidden=None):
+            t0 = time.perf_counter()
+            out = execute(microbatch, hidden)  # PP=1: returns after the token copy
+            if not microbatch.num_prefill_tokens:
+                times.append(time.perf_counter() - t0)
+            return out
+
+        runner.execute = timed_execute
+        params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+        llm.generate([[5, 6, 7]] * n, params, use_tqdm=False)  # warm-up
+        times.clear()
+        llm.generate([[5 + i, 6, 7, 8] for i in range(n)], params, use_tqdm=False)
+        g = runner.graphs
+        what = "no graphs" if g is None else (
+            f"{g.replays} replays, {g.eager_decodes} decode micro-batches eager"
+        )  # fmt: skip
+        a = runner.attention
+        if a is not None and a.fallbacks:
+            what += f"; fallbacks: {'; '.join(a.fallbacks)}"
+    times.sort()
+    return times[len(times) // 2] * 1e3, what
+
+
+def profiled_kv(device: str, run: Run) -> None:
+    """The KV cache the engine sizes from a profiling forward (``cache.activation_memory:
+    profile``, Note [profiling forward]) against the estimate's, the embedded model, PP=1."""
+    from sarathi_pp import LLM
+
+    if not device.startswith("cuda"):
+        print("profiled KV capacity: skipped (not on CUDA: M_A is 0 on CPU)")
+        return
+    got = {}
+    for how in ("estimate", "profile"):
+        with LLM("builtin:tiny-llama", device=device, max_model_len=2048,
+                 **{"cache.activation_memory": how}) as llm:  # fmt: skip
+            got[how] = (llm.engine.num_kv_blocks, llm.engine.stage_memory[0].activation_bytes)
+    (eb, ea), (pb, pa) = got["estimate"], got["profile"]
+    print(f"KV capacity (embedded model, PP=1): profiled {pb} blocks (M_A {pa / 2**20:.1f} MiB) "
+          f"vs estimate {eb} blocks (M_A {ea / 2**20:.1f} MiB)")  # fmt: skip
+    run.measure("KV blocks, embedded model, PP=1, profiling forward", pb, "blocks",
+                baseline=eb, baseline_label="estimate", better="higher",
+                detail=f"M_A profiled {pa} B, estimated {ea} B")  # fmt: skip
+
+
+def pp1_bubble_report(device: str, tiny: bool, run: Run) -> None:
+    """A PP=1 run's bubble report, its compute spans from CUDA events on CUDA (Note [compute
+    spans from CUDA events]): how many spans came from events and how many from the host's
+    clock, and the report's busy time and bubble fraction."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from sarathi_pp import LLM, SamplingParams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with LLM("builtin:tiny-llama", device=device, max_model_len=512, run_dir=tmp,
+                 overwrite=True) as llm:  # fmt: skip
+            params = SamplingParams(max_tokens=8 if tiny else 64, temperature=0.0,
+                                    ignore_eos=True)  # fmt: skip
+            llm.generate([[5 + i, 6, 7, 8] * (2 + i) for i in range(8)], params, use_tqdm=False)
+            llm.engine.write_run_records()
+            clock = llm.engine.executor.runner.clock
+        summary = json.loads((Path(tmp) / "summary.json").read_text())
+    stage = summary["stages"][0]
+    source = getattr(clock, "name", type(clock).__name__)
+    spans = (f", {clock.gpu_spans} spans from events, {clock.host_spans} from the host"
+             if hasattr(clock, "gpu_spans") else "")  # fmt: skip
+    classes = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in stage["bubbles_s"].items() if v)
+    print(
+        f"PP=1 bubble report ({source}{spans}): busy {stage['busy_s'] * 1e3:.1f} ms, "
+        f"bubble fraction {stage['bubble_fraction']:.3f} ({classes or 'no idle time'})"
+    )
+    if hasattr(clock, "gpu_spans"):
+        run.measure("PP=1 bubble fraction, compute spans from CUDA events",
+                    stage["bubble_fraction"], "fraction", better="lower",
+                    detail=f"{clock.gpu_spans} spans from events, {clock.host_spans} host")  # fmt: skip
+
+
 def engine_vs_transformers(device: str, dtype: torch.dtype, tiny: bool, run: Run) -> None:
     """The embedded model on the mixed workload: our engine vs transformers' generate_batch
     (tokens/s), and their greedy tokens compared request by request."""
@@ -411,6 +534,9 @@ def main(argv: list[str] | None = None) -> None:
     for n in sorted({1, min(8, num_decodes), num_decodes}):
         decode_graphs(layers, decodes[:n], args.repeats, run)
     control_plane(args.device, 8 if tiny else 32, run)
+    engine_decode_graphs(args.device, tiny, run)
+    profiled_kv(args.device, run)
+    pp1_bubble_report(args.device, tiny, run)
     engine_vs_transformers(args.device, dtype, tiny, run)
     run.settings.update(device=name, layers=args.layers, block_size=args.block_size,
                         repeats=args.repeats, backend=layers.backend,

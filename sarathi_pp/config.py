@@ -45,6 +45,9 @@ def _check_opt_int(name: str, value: Any, minimum: int) -> None:
         _check_int(name, value, minimum)
 
 
+ACTIVATION_MEMORY = ("estimate", "profile")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = "builtin:tiny-llama"
@@ -80,6 +83,13 @@ class ModelConfig:
     """Make every attention fallback an error: a backend that cannot run where it was asked
     for fails the start, and one that fails on a micro-batch fails its requests, instead of
     running another backend (a benchmark then measures what it names)."""
+    enforce_eager: bool = True
+    """Run every micro-batch eagerly, op by op (vLLM's name). ``false``: on CUDA, decode-only
+    micro-batches replay CUDA graphs captured at start-up for batch-size buckets (1, 2, 4,
+    8, then steps of 8 up to ``max_num_seqs``, padded to the bucket); other micro-batches,
+    and decodes with no graph, run eagerly, each fallback logged and recorded. On by default
+    here (unlike vLLM) until a GPU run has checked the graphs (``make gpu-check``); no
+    effect on CPU. ``--no-enforce-eager`` on the command line."""
 
     def __post_init__(self) -> None:
         _check_opt_int("seed", self.seed, 0)
@@ -100,6 +110,8 @@ class ModelConfig:
                 "strict_attention_backend must be true or false, got "
                 f"{self.strict_attention_backend!r}"
             )
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
 
 
 @dataclass(frozen=True)
@@ -127,6 +139,13 @@ class CacheConfig:
     request computed already: blocks identified by a hash chained over the prefix, kept
     after their requests finish and evicted least-recently-used (vLLM's automatic prefix
     caching, on by default as there; ``--no-enable-prefix-caching`` turns it off)."""
+    activation_memory: str = "estimate"
+    """How a CUDA stage's peak activation memory ``M_A``, which its KV cache cannot use, is
+    found: ``estimate`` (from the layer shapes and the largest micro-batch the policy can
+    issue; what the simulator and ``sarathi-pp plan`` use too) or ``profile`` (vLLM's way:
+    a profiling forward of that micro-batch on the stage, its peak memory measured, on the
+    single-process executor). ``profile`` is unchecked on a GPU yet; it changes nothing on
+    CPU, where ``M_A`` is 0 (``cpu_memory_budget`` sizes the parameters and the cache)."""
 
     def __post_init__(self) -> None:
         _check_opt_int("block_size", self.block_size, 1)
@@ -142,6 +161,11 @@ class CacheConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}"
+            )
+        if self.activation_memory not in ACTIVATION_MEMORY:
+            raise ValueError(
+                f"activation_memory must be one of {ACTIVATION_MEMORY}, got "
+                f"{self.activation_memory!r}"
             )
 
 
@@ -387,6 +411,8 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
     "prefault_kv_cache": ("cache", "prefault"),
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+    "activation_memory": ("cache", "activation_memory"),
+    "enforce_eager": ("model", "enforce_eager"),
     "scheduler": ("scheduler", "policy"),
     "chunk_size": ("scheduler", "chunk_size"),
     "min_chunk_size": ("scheduler", "min_chunk_size"),

@@ -39,6 +39,7 @@ OVERRIDE_FLAGS: dict[str, str] = {
     "tokenizer": "tokenizer",
     "block_size": "block_size",
     "enable_prefix_caching": "enable_prefix_caching",
+    "enforce_eager": "enforce_eager",
     "run_dir": "run_dir",
     "overwrite": "overwrite",
 }
@@ -116,6 +117,13 @@ def add_engine_args(parser: argparse.ArgumentParser, run_dirs: str | None = None
         action=argparse.BooleanOptionalAction,
         default=None,
         help="cache.enable_prefix_caching (on by default, as in vLLM)",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="model.enforce_eager: no CUDA graphs (on by default here, unlike vLLM, until a "
+        "GPU run has checked them; --no-enforce-eager captures them for decode micro-batches)",
     )
     if run_dirs is None:
         g.add_argument("--run-dir", metavar="DIR", help="run.run_dir: where the run's records go")

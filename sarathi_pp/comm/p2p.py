@@ -43,6 +43,17 @@ operation with it fails ("Application timeout caused pair closure"). A timeout i
 fatal for the pipeline, and a short ``wait`` must never be used to poll. On NCCL a wait with
 a timeout blocks the CPU until completion or the timeout (not testable without 2 GPUs).
 
+Note [header without a device sync]: on CUDA both ends keep the host off the device's
+stream. The sender's header goes from pinned host memory with a non-blocking copy
+(``torch.tensor(list, device="cuda")`` would wait for the stream, i.e. for the micro-batch
+just computed). The receiver takes the payload in the shape its own micro-batch says and
+checks the header later (``HeaderChecks``): the header is copied to pinned host memory
+behind the receive, an event marks the copy, and the check runs once the event has
+completed, at a later ``recv`` or at ``flush``: a mismatch still raises
+``StageMismatchError`` naming both micro-batches, one or more micro-batches late, and the
+channel is then unusable (NCCL cannot drain a payload of another size). On CPU (gloo)
+the header is read at once and a mismatch drained, as before.
+
 Not thread-safe: one stage calls ``send``/``recv`` from one thread, in micro-batch order.
 """
 
@@ -50,6 +61,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -151,6 +163,44 @@ def _describe(header: list[int]) -> str:
     return f"micro-batch {microbatch_id} hidden [{num_tokens}, {hidden_size}] {_dtype_name(code)}"
 
 
+class HeaderChecks:
+    """Received headers checked once their copy to the host has completed (Note [header
+    without a device sync]): ``add`` queues a device header with what the receiver expected;
+    ``poll`` checks those whose event completed (``block``: all of them, waiting), raising
+    ``StageMismatchError`` for the first that differs. ``event``: makes a recorded event
+    (``torch.cuda.Event``'s ``record``/``query``/``synchronize``)."""
+
+    def __init__(self, stage_idx: int, event: Callable[[], Any]) -> None:
+        self.stage_idx = stage_idx
+        self.event = event
+        self.pending: deque[tuple[list[int], torch.Tensor, Any]] = deque()
+
+    def add(self, expected: list[int], header: torch.Tensor) -> None:
+        host = torch.empty(HEADER_LEN, dtype=torch.int64, pin_memory=header.is_cuda)
+        host.copy_(header, non_blocking=True)
+        event = self.event()
+        event.record()
+        self.pending.append((expected, host, event))
+
+    def poll(self, block: bool = False) -> None:
+        while self.pending:
+            expected, host, event = self.pending[0]
+            if block:
+                event.synchronize()
+            elif not event.query():
+                return
+            self.pending.popleft()
+            received = [int(v) for v in host.tolist()]  # host memory: no device sync
+            if received != expected:
+                s = self.stage_idx
+                raise StageMismatchError(
+                    f"stage {s}: expected {_describe(expected)} from stage {s - 1}, received "
+                    f"{_describe(received)} (checked after the receive: Note [header without "
+                    "a device sync]); the stages' send/recv order or micro-batches disagree; "
+                    "the channel is unusable"
+                )
+
+
 class StageTransport:
     """Sends hidden states to stage ``stage_idx + 1`` and receives them from ``stage_idx - 1``.
 
@@ -170,6 +220,7 @@ class StageTransport:
         group: Any = None,
         max_pending_sends: int | None = None,
         receive_ahead: bool | None = None,
+        header_checks: HeaderChecks | None = None,
     ) -> None:
         if num_stages < 1 or not 0 <= stage_idx < num_stages:
             raise ValueError(f"stage_idx {stage_idx} is not in [0, num_stages={num_stages})")
@@ -184,6 +235,10 @@ class StageTransport:
         self.receive_ahead = self.device.type == "cpu" if receive_ahead is None else receive_ahead
         self._send_capacity = self._recv_capacity = INITIAL_CAPACITY
         self._ahead: tuple[Any, torch.Tensor] | None = None  # the next message's receive
+        # Note [header without a device sync]: deferred on CUDA; None: checked at once
+        if header_checks is None and self.device.type == "cuda" and not self.receive_ahead:
+            header_checks = HeaderChecks(stage_idx, torch.cuda.Event)
+        self.header_checks = header_checks
         self.max_pending_sends = max_pending_sends or max(4, 2 * num_stages)
         if self.max_pending_sends < 1:
             raise ValueError(f"max_pending_sends must be >= 1, got {self.max_pending_sends}")
@@ -230,7 +285,9 @@ class StageTransport:
         if self.receive_ahead:
             messages = self._packed(header, payload)
         else:
-            messages = [torch.tensor(header, dtype=torch.int64, device=self.device)]
+            # Note [header without a device sync]: pinned, non-blocking (CPU: the tensor)
+            staged = torch.tensor(header, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            messages = [staged.to(self.device, non_blocking=True)]
             if payload.numel():
                 messages.append(payload)
         try:
@@ -248,6 +305,8 @@ class StageTransport:
         """Wait until every outstanding send has completed (before shutdown), at most
         ``timeout_s`` in all (default: the transport's); raises ``StageTimeoutError`` after."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        if self.header_checks is not None:
+            self.header_checks.poll(block=True)
         try:
             while self._pending:
                 remaining = max(deadline - time.monotonic(), 1e-3)
@@ -297,12 +356,16 @@ class StageTransport:
             return self._recv_ahead(expected, dtype)
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         self._wait(self._irecv(header, microbatch_id), microbatch_id, "recv", self.timeout_s)
-        received = [int(v) for v in header.tolist()]
-        if received != expected:
-            self._mismatch(expected, received)
+        if self.header_checks is None:
+            received = [int(v) for v in header.tolist()]
+            if received != expected:
+                self._mismatch(expected, received)
         hidden = torch.empty((num_tokens, hidden_size), dtype=dtype, device=self.device)
         if hidden.numel():
             self._wait(self._irecv(hidden, microbatch_id), microbatch_id, "recv", self.timeout_s)
+        if self.header_checks is not None:  # after the payload: the sender's send completes
+            self.header_checks.add(expected, header)
+            self.header_checks.poll()  # the headers copied by now, this one's included
         return hidden
 
     def _recv_ahead(self, expected: list[int], dtype: torch.dtype) -> torch.Tensor:

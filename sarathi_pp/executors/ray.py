@@ -66,6 +66,7 @@ from sarathi_pp.placement import (
 from sarathi_pp.planner.memory import with_activations
 from sarathi_pp.stage_memory import StageMemory
 from sarathi_pp.stages.worker.device import probe_resources
+from sarathi_pp.stages.worker.memory_probe import PROFILE_NEEDS_UNIPROC
 from sarathi_pp.stages.worker.model_runner import StageSpec
 
 if TYPE_CHECKING:
@@ -163,6 +164,9 @@ def _cluster_resources(
 
 class RayExecutor:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
+        if config.cache.activation_memory == "profile":  # Note [profiling forward]
+            n = config.parallel.pipeline_parallel_size
+            raise ValueError(PROFILE_NEEDS_UNIPROC.format(executor="ray", num_stages=n))
         ray = self._ray = _ray()
         p = config.parallel
         self.num_stages = p.pipeline_parallel_size

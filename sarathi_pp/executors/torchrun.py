@@ -53,6 +53,7 @@ from sarathi_pp.planner.memory import with_activations
 from sarathi_pp.stage_memory import StageMemory
 from sarathi_pp.stages.loader.builtin import resolve_builtin
 from sarathi_pp.stages.worker.device import probe_resources
+from sarathi_pp.stages.worker.memory_probe import PROFILE_NEEDS_UNIPROC
 from sarathi_pp.stages.worker.model_runner import StageSpec
 from sarathi_pp.stages.worker.pipeline_stage import PipelineStage
 
@@ -133,6 +134,9 @@ class TorchrunExecutor:
     """Rank 0's executor: runs stage 0 itself, drives the other ranks over the control plane."""
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
+        if config.cache.activation_memory == "profile":  # Note [profiling forward]
+            n = config.parallel.pipeline_parallel_size
+            raise ValueError(PROFILE_NEEDS_UNIPROC.format(executor="torchrun", num_stages=n))
         if "RANK" not in os.environ:
             raise RuntimeError(
                 "the torchrun executor runs under `torchrun ... -m sarathi_pp.launch.torchrun`"

@@ -10,15 +10,17 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import replace
 
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.microbatch import MicroBatch, MicroBatchResult, StageEvent, fill_ring
 from sarathi_pp.placement import resolve_placement, resolve_schedule_ahead
-from sarathi_pp.planner.memory import with_activations
+from sarathi_pp.planner.memory import max_rows, with_activations
 from sarathi_pp.stage_memory import StageMemory
 from sarathi_pp.stages.worker.device import probe_resources, set_num_threads
 from sarathi_pp.stages.worker.fault_injector import FaultInjector
+from sarathi_pp.stages.worker.memory_probe import CudaMemoryProbe, MemoryProbe
 from sarathi_pp.stages.worker.model_runner import ModelRunner, StageSpec
 
 logger = logging.getLogger(__name__)
@@ -52,10 +54,28 @@ class UniprocExecutor:
     def load_model(self) -> list[StageMemory]:
         memory = [self.runner.memory(self.runner.load_model())]
         c = self.checkpoint
-        return with_activations(
+        memory = with_activations(
             memory, self.config, c.spec, self.placement, c.max_model_len,
             schedule_ahead=self.schedule_ahead.on,
         )  # fmt: skip
+        if self.config.cache.activation_memory == "profile" and self.runner.device.type == "cuda":
+            memory = self.profiled(memory, CudaMemoryProbe(self.runner.device))
+        return memory
+
+    def profiled(self, memory: list[StageMemory], probe: MemoryProbe) -> list[StageMemory]:
+        """``memory`` with ``M_A`` measured by a profiling forward (``cache.activation_memory:
+        profile``; Note [profiling forward]) instead of the estimate."""
+        c = self.config
+        rows = max_rows(c.scheduler, self.checkpoint.max_model_len)
+        in_flight = c.parallel.microbatches_in_flight + int(self.schedule_ahead.on)
+        measured = self.runner.profile_activations(
+            rows, c.scheduler.max_num_seqs, in_flight, self.placement.block_size, probe
+        )
+        logger.info(
+            "stage 0: M_A by a profiling forward of %d rows: %d bytes (the estimate: %d)",
+            rows, measured, memory[0].activation_bytes,
+        )  # fmt: skip
+        return [replace(memory[0], activation_bytes=measured)]
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.runner.init_kv_cache(num_blocks, block_size)
@@ -69,10 +89,12 @@ class UniprocExecutor:
         else:
             result = self._run(microbatch)
         end = time.monotonic()
+        # Note [compute spans from CUDA events] (stages/worker/timing.py); CPU: the host's
+        start, compute_end = self.runner.clock.span(microbatch.microbatch_id, compute_start, end)
         result.events = [
             StageEvent(0, microbatch.microbatch_id, microbatch.kind, microbatch.num_prefill_tokens,
-                       microbatch.num_decode_tokens, self._free_since, compute_start, compute_start,
-                       end, end, self.runner.take_attention_report())
+                       microbatch.num_decode_tokens, self._free_since, compute_start, start,
+                       compute_end, end, self.runner.take_attention_report())
         ]  # fmt: skip
         self._free_since = end
         self._done.append((microbatch, result))

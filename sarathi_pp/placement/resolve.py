@@ -58,6 +58,7 @@ class Placement:
     layer_ranges: tuple[tuple[int, int], ...]  # [layer_start, layer_end) per stage
     attention_backend: str = "auto"  # model.attention_backend, as asked for
     strict_attention_backend: bool = False  # model.strict_attention_backend
+    enforce_eager: bool = True  # model.enforce_eager: no CUDA graphs
 
     @property
     def num_stages(self) -> int:
@@ -79,7 +80,7 @@ def resolve_placement(config: EngineConfig, spec: ModelSpec, resources: Resource
     )
     return Placement(
         device, dtype, threads, threads_source, memory, memory_source, block_size, ranges,
-        m.attention_backend, m.strict_attention_backend,
+        m.attention_backend, m.strict_attention_backend, m.enforce_eager,
     )  # fmt: skip
 
 

@@ -32,6 +32,7 @@ from sarathi_pp.comm.dist_setup import (
 from sarathi_pp.comm.p2p import (
     INITIAL_CAPACITY,
     PACKED_HEADER_BYTES,
+    HeaderChecks,
     StageCommError,
     StageMismatchError,
     StageTimeoutError,
@@ -172,6 +173,45 @@ def _mismatches(rank: int, world_size: int, finished: Any, receive_ahead: bool) 
     return errors, ok
 
 
+class _Later:
+    """An event that completes after the first look (a copy still running when its
+    receive returns, done by the next one)."""
+
+    def __init__(self) -> None:
+        self.looked = False
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        done, self.looked = self.looked, True
+        return done
+
+    def synchronize(self) -> None:
+        self.looked = True
+
+
+def _deferred_header(rank: int, world_size: int, finished: Any) -> Any:
+    """Note [header without a device sync]: the header+payload path with the header checked
+    once copied: the payload is taken in the receiver's shape, and the mismatch raises at the
+    next receive."""
+    checks = HeaderChecks(rank, _Later)
+    t = StageTransport(
+        rank, world_size, "cpu", timeout_s=10, receive_ahead=False, header_checks=checks
+    )
+    if rank == 0:
+        t.send(0, hidden(0, 4))  # the receiver expects micro-batch 1 (same shape)
+        t.send(2, hidden(2, 4))
+        t.flush()
+        return None
+    got = t.recv(1, 4, HIDDEN_SIZE, torch.float32)  # taken: checked later
+    taken = torch.equal(got, hidden(0, 4))
+    with pytest.raises(StageMismatchError) as info:
+        t.recv(2, 4, HIDDEN_SIZE, torch.float32)
+    t.flush()  # micro-batch 2's header matched: nothing more raises
+    return taken, str(info.value), len(checks.pending)
+
+
 # Payloads past the first receive posted ahead (Note [receive ahead]): rows of HIDDEN_SIZE
 # float32, so BIG rows are INITIAL_CAPACITY + 256 KiB and BIGGER rows more again.
 BIG = (INITIAL_CAPACITY + (1 << 18)) // (4 * HIDDEN_SIZE)
@@ -299,6 +339,13 @@ def test_mismatched_id_shape_dtype_raise_naming_stage_and_values(receive_ahead):
     assert "received micro-batch 2 hidden [4, 8] bfloat16 (differs in dtype)" in wrong_dtype
     assert all("could not be drained" not in e for e in errors)
     assert ok  # the bad payloads were drained: the next micro-batch is intact
+
+
+def test_a_header_checked_after_the_receive_still_raises_naming_both_microbatches():
+    taken, error, pending = values(run_world(_deferred_header, 2))[1]
+    assert taken and pending == 0
+    assert error.startswith("stage 1: expected micro-batch 1 hidden [4, 8] float32 from stage 0")
+    assert "received micro-batch 0 hidden [4, 8] float32 (checked after the receive" in error
 
 
 def test_payloads_past_the_receive_posted_ahead_follow_apart_and_grow_it_on_both_ends():

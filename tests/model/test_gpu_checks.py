@@ -32,6 +32,8 @@ def test_run_checks_smoke_mode():
     for figure in (
         "matmul rate", "prefill MFU", "tile quantization", "piggyback (",
         "decode-only step", "CUDA graph: skipped (not on CUDA)", "control plane",
+        "engine decode step (1 decodes): eager", "CUDA graphs: skipped (not on CUDA)",
+        "profiled KV capacity: skipped (not on CUDA", "PP=1 bubble report (wall_clock)",
         "attention: cpu_paged, no fallback" if paged_attention.load_kernel() else "attention: torch",
         "end to end (mixed, 2 requests", "greedy agreement with transformers (float32): ",
     ):  # fmt: skip

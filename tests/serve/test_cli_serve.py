@@ -62,6 +62,10 @@ def test_vllm_flag_names_reach_the_config() -> None:
         args = build_parser().parse_args(["serve", "m", *flag])
         args.model = args.model_tag
         assert config_from_args(args).cache.enable_prefix_caching is on
+    for flag, on in (([], True), (["--no-enforce-eager"], False), (["--enforce-eager"], True)):
+        args = build_parser().parse_args(["serve", "m", *flag])
+        args.model = args.model_tag
+        assert config_from_args(args).model.enforce_eager is on
 
 
 @pytest.mark.parametrize(

@@ -118,6 +118,12 @@ def test_unknown_dotted_key_names_it_and_lists_allowed():
         (dict(overwrite="false"), "overwrite must be true or false, got 'false'"),
         (dict(run_dir=""), "run_dir.*''"),
         (dict(run_dir=7), "run_dir.*7"),
+        (dict(enforce_eager="no"), "enforce_eager must be true or false, got 'no'"),
+        (
+            dict(activation_memory="measure"),
+            r"activation_memory must be one of \('estimate', "
+            r"'profile'\), got 'measure'",
+        ),  # fmt: skip
     ],
 )
 def test_bad_values_raise_value_error_naming_the_value(kwargs, match):

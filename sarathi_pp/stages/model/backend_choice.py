@@ -110,10 +110,12 @@ class AttentionRecord:
         self.fallbacks: list[str] = []
         self._reported = False  # the current state went out with a StageEvent
 
-    def fallback(self, reason: str) -> None:
+    def fallback(self, reason: str, strict: bool = True) -> None:
         """``self.backend`` fell back, for ``reason``: raise under strict mode, else log a
-        WARNING the first time this reason comes and keep it for the run dir."""
-        if self.strict:
+        WARNING the first time this reason comes and keep it for the run dir. ``strict``
+        false: never raises (a fallback of the stage's that is not attention's: CUDA
+        graphs, ``stages/worker/cuda_graphs.py``)."""
+        if self.strict and strict:
             raise AttentionFallbackError(
                 f"stage {self.stage_idx}: attention backend {self.backend}: {reason} "
                 "(model.strict_attention_backend is set)"

@@ -114,13 +114,15 @@ class FlexMasks:
 def block_logical_map(tables: list[torch.Tensor], num_blocks: int, device) -> torch.Tensor:
     """``[num_blocks]`` int32: each block's logical index in the sequences that hold it
     (``tables``: each a 1-D block table, or ``[n, blocks]`` with -1 padding), else -1."""
-    m = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
+    # one spare entry past the cache takes the -1 padding's writes: a scatter without the
+    # boolean mask, which would wait for the device (nonzero)
+    m = torch.full((num_blocks + 1,), -1, dtype=torch.int32, device=device)
     for t in tables:
         t = t.reshape(-1, t.shape[-1])
         logical = torch.arange(t.shape[-1], dtype=torch.int32, device=device).expand_as(t)
-        used = t >= 0
-        m[t[used]] = logical[used]
-    return m
+        target = torch.where(t >= 0, t, num_blocks).to(torch.long)
+        m.index_put_((target.flatten(),), logical.flatten())
+    return m[:num_blocks]
 
 
 def _padded_table(table: torch.Tensor, rows: int, width: int) -> torch.Tensor:
@@ -199,7 +201,8 @@ def prefill_block_mask(
     num_q_blocks = rows // Q_BLOCK
     table = _padded_table(context_blocks.view(1, -1), 1, width)[0]
     # a tensor, not an int: a compiled call would specialise on (recompile for) each start
-    first = torch.tensor(start, device=device)
+    # (torch.full: a fill on the device; torch.tensor(start, device=...) waits for it)
+    first = torch.full((), start, dtype=torch.int64, device=device)
     # q block i's rows sit at positions start + i * Q_BLOCK .. start + min((i + 1) * Q_BLOCK,
     # n) - 1: the blocks wholly at or before its first row are full for all of them (the
     # kernel skips mask_mod there), the rest up to its last row's block partial.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from sarathi_pp.microbatch import MicroBatch, ScheduledChunk
+from sarathi_pp.stages.worker.upload import to_device
 
 
 class PenaltyState:
@@ -74,8 +75,9 @@ def apply_penalties(
     for row, tokens, chunk in zip(rows, histories, chunks):
         p = chunk.sampling_params
         num_out = chunk.num_output_tokens
-        ids = torch.tensor(tokens, dtype=torch.long, device=logits.device)
-        ids = ids[(ids >= 0) & (ids < vocab)]  # token ids the model can have produced
+        # token ids the model can have produced, kept on the host (a mask on the device
+        # would wait for it), then one copy without a wait
+        ids = to_device([t for t in tokens if 0 <= t < vocab], logits.device, torch.long)
         x = out[row]
         if p.repetition_penalty != 1.0 and len(ids):
             seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)

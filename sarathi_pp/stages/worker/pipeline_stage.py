@@ -169,9 +169,12 @@ class PipelineStage:
                 self.spec.hidden_size,
                 self.runner.dtype,
             )
-        compute_start = time.monotonic()
+        host_start = time.monotonic()
         out, failure = self._execute(microbatch, hidden)
-        compute_end = time.monotonic()
+        # Note [compute spans from CUDA events] (stages/worker/timing.py); CPU: the host's
+        compute_start, compute_end = self.runner.clock.span(
+            microbatch.microbatch_id, host_start, time.monotonic()
+        )
         result = MicroBatchResult(failure=failure) if failure is not None else None
         if self.ring is not None and s.is_first:  # before the hidden states go on
             self.ring.expect(microbatch.microbatch_id, microbatch.sampled_seq_ids)
@@ -188,9 +191,7 @@ class PipelineStage:
                 )  # fmt: skip
             self.transport.send(microbatch.microbatch_id, out)
         self._free_since = time.monotonic()
-        input_ready = (
-            arrived if s.is_first else compute_start
-        )  # the micro-batch / the hidden states
+        input_ready = arrived if s.is_first else host_start  # the micro-batch / the hidden states
         event = StageEvent(
             s.stage_idx,
             microbatch.microbatch_id,
@@ -249,10 +250,11 @@ class PipelineStage:
             out, failure = self._execute(microbatch, hidden)
         end = self._free_since = time.monotonic()
         self.last_done = microbatch.microbatch_id
+        start, compute_end = self.runner.clock.span(microbatch.microbatch_id, arrived, end)
         event = StageEvent(
             s.stage_idx, microbatch.microbatch_id, microbatch.kind,
             microbatch.num_prefill_tokens, microbatch.num_decode_tokens,
-            min(wait_start, arrived), arrived, arrived, end, end,
+            min(wait_start, arrived), arrived, start, compute_end, end,
             self.runner.take_attention_report(),
         )  # fmt: skip
         events = [*events, event]

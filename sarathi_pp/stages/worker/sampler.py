@@ -18,23 +18,37 @@ import torch
 
 from sarathi_pp.microbatch import TokenLogprobs
 from sarathi_pp.sampling_params import SamplingParams
+from sarathi_pp.stages.worker.upload import to_device
 
 INVALID_TOKEN = -1
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], num_outputs: list[int]) -> list[int]:
     """``logits``: float32 ``[num_rows, vocab]``, one row per sampled sequence."""
+    return tokens_to_host(sample_on_device(logits, params, num_outputs))
+
+
+def tokens_to_host(tokens: torch.Tensor) -> list:
+    """The step's one wait for the device: the sampled tokens (and what rides with them)
+    copied to the host (Note [one upload per micro-batch] in ``upload.py``)."""
+    return tokens.tolist()
+
+
+def sample_on_device(
+    logits: torch.Tensor, params: list[SamplingParams], num_outputs: list[int]
+) -> torch.Tensor:
+    """``sample``'s tokens ``[num_rows]`` (int64), left on the device."""
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
+        idx = to_device(random_rows, logits.device)
         probs = _filtered_probs(logits[idx], [params[i] for i in random_rows])
         tokens[idx] = _draw(
             probs, [params[i] for i in random_rows], [num_outputs[i] for i in random_rows]
         )
     bad = ~torch.isfinite(logits).all(dim=-1)
-    tokens[bad] = INVALID_TOKEN
-    return tokens.tolist()
+    # where, not tokens[bad] = ...: boolean indexing would wait for the device (nonzero)
+    return torch.where(bad, INVALID_TOKEN, tokens)
 
 
 def processed_logits(
@@ -68,7 +82,7 @@ def processed_logits(
         # ids past the vocabulary are refused by the engine; a stage never indexes past it
         if p.allowed_token_ids is not None:
             keep = torch.zeros(vocab, dtype=torch.bool, device=dev)
-            keep[torch.tensor([t for t in p.allowed_token_ids if t < vocab], device=dev)] = True
+            keep[to_device([t for t in p.allowed_token_ids if t < vocab], dev, torch.long)] = True
             out[i].masked_fill_(~keep, lowest)
         if p.bad_words_token_ids:
             past = (outputs or {}).get(i, [])
@@ -77,16 +91,17 @@ def processed_logits(
                 if w[-1] < vocab and _ends_with(past, w[:-1])
             ]  # fmt: skip
             if banned:
-                out[i, torch.tensor(banned, device=dev)] = lowest
+                out[i, to_device(banned, dev)] = lowest
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), device=dev)
-            bias = torch.tensor(list(p.logit_bias.values()), device=dev)
-            keep = ids < vocab
-            out[i, ids[keep]] += bias[keep].to(out.dtype)
+            kept = [(t, b) for t, b in p.logit_bias.items() if t < vocab]  # on the host
+            if kept:
+                ids = to_device([t for t, _ in kept], dev)
+                bias = to_device([b for _, b in kept], dev)
+                out[i, ids] += bias.to(out.dtype)
         if num_outputs[i] < p.min_tokens:
             stops = [t for t in (*eos_token_ids, *p.stop_token_ids) if t < vocab]
             if stops:
-                out[i, torch.tensor(stops, device=dev)] = lowest
+                out[i, to_device(stops, dev)] = lowest
     return out
 
 
@@ -105,7 +120,7 @@ def logprobs(
     ]
     if not rows:
         return {}
-    idx = torch.tensor(rows, device=logits.device)
+    idx = to_device(rows, logits.device)
     k = max(params[i].logprobs or 0 for i in rows)
     out = {}
     for i, lp in zip(rows, _ranked(logits[idx], [tokens[i] for i in rows], k)):
@@ -129,7 +144,7 @@ def _ranked(logits: torch.Tensor, chosen: list[int], k: int) -> tuple[TokenLogpr
     """Per row: ``chosen[i]``'s log-probability and rank, and the ``k`` most likely
     tokens', from one batched ``log_softmax`` and ``topk``."""
     lp = logits.float().log_softmax(dim=-1)
-    ids = torch.tensor(chosen, device=logits.device).unsqueeze(1)
+    ids = to_device(chosen, logits.device).unsqueeze(1)
     chosen_lp = lp.gather(1, ids)
     ranks = (lp > chosen_lp).sum(dim=-1) + 1
     top_lp, top_ids = lp.topk(k, dim=-1)
@@ -143,20 +158,20 @@ def _ranked(logits: torch.Tensor, chosen: list[int], k: int) -> tuple[TokenLogpr
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     dev = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
+    temperature = to_device([p.temperature for p in params], dev).unsqueeze(1)
     logits = logits / temperature
     if any(p.min_p > 0 for p in params):  # as vLLM: after temperature, before top-k/top-p
         probs = logits.softmax(dim=-1)
-        min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+        min_p = to_device([p.min_p for p in params], dev).unsqueeze(1)
         floor = min_p * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=dev).unsqueeze(1)
+    top_k = to_device([p.top_k or vocab for p in params], dev).unsqueeze(1)
     ranks = torch.arange(vocab, device=dev).unsqueeze(0)
     drop = ranks >= top_k
     probs_sorted = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+    top_p = to_device([p.top_p for p in params], dev).unsqueeze(1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
     mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
     drop |= mass_before >= top_p
