@@ -41,7 +41,7 @@ from sarathi_pp.microbatch import (
     StageEvent,
     TokenLogprobs,
 )
-from sarathi_pp.sampling_params import SamplingParams
+from sarathi_pp.sampling_params import SamplingParams, StructuredOutputsParams
 from sarathi_pp.stage_memory import StageMemory
 
 # 2: prompt log-probabilities (chunk targets, step results); 3: M_A; 4: allowed_token_ids,
@@ -197,6 +197,16 @@ def _at(segment: str, convert: Convert, v: Any) -> Any:
 
 # --- the records: tag and fields, in declaration order (a test checks them against the classes) --
 _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
+    StructuredOutputsParams: (
+        "structured_outputs",
+        {
+            "json": _optional(STR),
+            "regex": _optional(STR),
+            "choice": _optional(STRS),
+            "grammar": _optional(STR),
+            "json_object": BOOL,
+        },
+    ),
     SamplingParams: (
         "sampling_params",
         {
@@ -225,6 +235,7 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "bad_words": STRS,
             "truncate_prompt_tokens": _optional(INT),
             "bad_words_token_ids": _tuple_of(INTS),
+            "structured_outputs": _optional(_record(StructuredOutputsParams)),
         },
     ),
     ScheduledChunk: (

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from sarathi_pp import grammar
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import ModelConfig
 from sarathi_pp.engine.tokenizer import has_tokenizer, load_tokenizer
@@ -124,6 +125,11 @@ class InputProcessor:
                 raise SamplingParamsError(
                     name, f"{where}: {name} has token ids outside [0, {vocab}): {bad[:5]}"
                 )
+        if params.structured_outputs is not None:  # compiled here, before any work
+            try:
+                grammar.check(params.structured_outputs)
+            except SamplingParamsError as e:
+                raise SamplingParamsError(e.param, f"{where}: {e}") from None
         if params.allowed_token_ids is not None:  # what the last stage will rule out
             left = set(params.allowed_token_ids)
             left -= {w[0] for w in params.bad_words_token_ids if len(w) == 1}

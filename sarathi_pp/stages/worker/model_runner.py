@@ -38,11 +38,13 @@ from sarathi_pp.stages.worker.sampler import (
     sample,
     target_logprobs,
 )
+from sarathi_pp.stages.worker.structured import GrammarMasks
 
 # A row's logits are not all finite (a sampled token's, a prompt position's): its request fails.
 NON_FINITE = "the model produced non-finite logits"
 RULED_OUT = (
-    "every token was ruled out (allowed_token_ids, bad_words, min_tokens): nothing to sample"
+    "every token was ruled out (allowed_token_ids, bad_words, min_tokens, structured_outputs): "
+    "nothing to sample"
 )
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -94,7 +96,12 @@ class StageSpec:
 
 class ModelRunner:
     def __init__(
-        self, spec: ModelSpec, model_dir: str | Path, stage: StageSpec, max_model_len: int
+        self,
+        spec: ModelSpec,
+        model_dir: str | Path,
+        stage: StageSpec,
+        max_model_len: int,
+        tokenizer_dir: str | Path | None = None,
     ) -> None:
         self.spec = spec
         self.stage = stage
@@ -107,6 +114,9 @@ class ModelRunner:
         self.backend = "torch"
         self.attention: AttentionRecord | None = None  # set with the KV cache
         self.penalties = PenaltyState()  # the last stage's: penalized sequences' tokens
+        # the last stage's: structured output's matchers (the tokenizer read on first use)
+        self.tokenizer_dir = str(tokenizer_dir or model_dir)
+        self.grammar = self._new_grammar()
 
     # --- set-up, in two steps: weights first, then the KV cache sized from what is left ---
     def load_model(self) -> int:
@@ -175,8 +185,12 @@ class ModelRunner:
         self.model = None
         self.kv = None
         self.penalties = PenaltyState()
+        self.grammar = self._new_grammar()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _new_grammar(self) -> GrammarMasks:
+        return GrammarMasks(self.tokenizer_dir, self.spec.vocab_size, self.spec.eos_token_ids)
 
     # --- one micro-batch -------------------------------------------------------------------
     @torch.inference_mode()
@@ -207,6 +221,7 @@ class ModelRunner:
         rows = sample_rows(microbatch)
         result = MicroBatchResult()
         self.penalties.release(microbatch)
+        self.grammar.release(microbatch)
         self._prompt_logprobs(microbatch, hidden, result)
         if not rows:
             return result
@@ -223,6 +238,9 @@ class ModelRunner:
             self.spec.eos_token_ids,
             in_place=sampling_logits is not logits,
             outputs=outputs,
+        )
+        sampling_logits = self._grammar_masked(
+            sampling_logits, logits, chunks, kept, outputs, result
         )
         tokens = sample(sampling_logits, params, num_outputs)
         if sampling_logits is not logits:  # a row whose every token its rules ruled out
@@ -241,6 +259,30 @@ class ModelRunner:
             else:
                 result.sampled[chunk.seq_id] = token
         return result
+
+    def _grammar_masked(
+        self,
+        sampling_logits: torch.Tensor,
+        logits: torch.Tensor,
+        chunks: list,
+        kept: list[int],
+        outputs: dict[int, list[int]],
+        result: MicroBatchResult,
+    ) -> torch.Tensor:
+        """``sampling_logits`` with the tokens each structured row's grammar rules out set
+        to the lowest finite value (``stages/worker/structured.py``); a copy of ``logits``
+        first if it is still the raw logits (log-probabilities are reported from them)."""
+        rows = [i for i in kept if chunks[i].sampling_params.structured_outputs is not None]
+        if not rows:
+            return sampling_logits
+        allowed, errors = self.grammar.masks(chunks, rows, [outputs[i] for i in rows])
+        for i, why in errors.items():
+            result.errors[chunks[i].seq_id] = why
+        out = sampling_logits.clone() if sampling_logits is logits else sampling_logits
+        idx = torch.tensor(rows, device=self.device)
+        lowest = torch.finfo(out.dtype).min
+        out[idx] = out[idx].masked_fill(~allowed.to(self.device), lowest)
+        return out
 
     def _prompt_logprobs(
         self, microbatch: MicroBatch, hidden: torch.Tensor, result: MicroBatchResult
@@ -274,7 +316,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[int], dict[int, list[int]]]:
         """The logits to sample from (penalized where asked; ``stages/worker/penalties.py``), the
         rows whose tokens the stage keeps (``SamplingParams.keeps_tokens``) and, for those
-        with bad words, their output tokens so far. A row whose tokens the stage lacks fails
+        with bad words or structured output, their output tokens so far. A row whose tokens the stage lacks fails
         its request."""
         kept, rows, histories = [], [], []
         outputs: dict[int, list[int]] = {}
@@ -288,7 +330,7 @@ class ModelRunner:
                 result.errors[c.seq_id] = str(e)
                 continue
             kept.append(i)
-            if p.bad_words_token_ids:
+            if p.bad_words_token_ids or p.structured_outputs is not None:
                 outputs[i] = tokens[len(tokens) - c.num_output_tokens :]
             if p.has_penalties:
                 rows.append(i)
