@@ -27,11 +27,12 @@ def grammar_text(so: StructuredOutputsParams) -> str:
     """``so`` as an llguidance grammar (its JSON text, tokenizer-independent);
     ``ValueError`` for text llguidance cannot read at all (GBNF it cannot convert)."""
     kind = so.kind
-    if kind == "json":
-        assert isinstance(so.json, str)  # normalised by StructuredOutputsParams
-        return llguidance.grammar_from("json_schema", so.json)
-    if kind == "json_object":
-        return llguidance.grammar_from("json_schema", ANY_JSON_OBJECT)
+    if kind in ("json", "json_object"):
+        schema = so.json if kind == "json" else ANY_JSON_OBJECT
+        assert isinstance(schema, str)  # normalised by StructuredOutputsParams
+        # the schema's own "x-guidance" options win over these defaults (llguidance's order)
+        defaults = {"whitespace_flexible": not so.disable_any_whitespace}
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
     if kind == "regex":
         assert so.regex is not None
         return llguidance.grammar_from("regex", so.regex)

@@ -44,6 +44,9 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # vLLM's: JSON without whitespace between its tokens (the default lets the model
+    # write any, as vLLM's; a random or small model may fill its tokens with it)
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -65,11 +68,12 @@ class StructuredOutputsParams:
                     name,
                     f"structured_outputs.{field_name} must be a non-empty string, got {value!r}",
                 )
-        if not isinstance(self.json_object, bool):
-            raise SamplingParamsError(
-                name,
-                f"structured_outputs.json_object must be True or False, got {self.json_object!r}",
-            )
+        for flag in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, flag), bool):
+                raise SamplingParamsError(
+                    name,
+                    f"structured_outputs.{flag} must be True or False, got {getattr(self, flag)!r}",
+                )
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:

@@ -205,6 +205,7 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "choice": _optional(STRS),
             "grammar": _optional(STR),
             "json_object": BOOL,
+            "disable_any_whitespace": BOOL,
         },
     ),
     SamplingParams: (

@@ -16,8 +16,9 @@ from typing import Any
 
 from sarathi_pp.engine.input_processor import ChatOptions
 from sarathi_pp.outputs import Logprob, PromptLogprobs, SampleLogprobs
-from sarathi_pp.sampling_params import MAX_LOGPROBS, SamplingParams
+from sarathi_pp.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from sarathi_pp.serve.request_fields import CHAT, COMPLETIONS, fields_of, refused_fields
+from sarathi_pp.serve.structured_fields import structured_outputs
 
 # ``max_tokens`` when a request leaves it out, per endpoint, as vLLM's (v0.10.1
 # ``CompletionRequest.max_tokens = 16``; ``ChatCompletionRequest.max_tokens = None``, which
@@ -225,6 +226,10 @@ def sampling_params(
             break
     top_k = _get(body, "top_k", "int", d["top_k"])
     n = _get(body, "n", "int", 1)
+    try:
+        structured = structured_outputs(body)
+    except SamplingParamsError as e:
+        raise bad_request(str(e), e.param) from None
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"'n' must be in [1, {MAX_CHOICES}], got {n}", "n")
     try:
@@ -255,6 +260,7 @@ def sampling_params(
             stop_token_ids=tuple(_int_list(body, "stop_token_ids") or ()),
             bad_words=_bad_words(body),
             truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", "int"),
+            structured_outputs=structured,
         )
     except (ValueError, TypeError) as e:  # SamplingParamsError names its field
         name = getattr(e, "param", None)
