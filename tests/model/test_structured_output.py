@@ -131,7 +131,7 @@ def test_greedy_under_a_grammar_equals_hf_with_the_same_mask(llama_dir):
     assert_valid(outs)
     for prompt, out in zip(ps, outs):
         ref, margins = hf_processed_greedy(llama_dir, prompt, 100, masked)
-        ref = ref[: ref.index(EOS_TOKEN_ID) + 1]  # the grammar ends with EOS, and so does the output
+        ref = ref[: ref.index(EOS_TOKEN_ID) + 1]  # the output ends with EOS, as the grammar
         assert_greedy_match(out.outputs[0].token_ids, ref, margins[: len(ref)])
 
 

@@ -65,7 +65,9 @@ sampling_params = st.builds(
             json=st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
             disable_any_whitespace=st.booleans(),
         ),
-        st.builds(StructuredOutputsParams, choice=st.lists(TEXT.filter(bool), min_size=1, max_size=3)),
+        st.builds(
+            StructuredOutputsParams, choice=st.lists(TEXT.filter(bool), min_size=1, max_size=3)
+        ),
         st.builds(StructuredOutputsParams, json_object=st.just(True)),
     ),
 )
