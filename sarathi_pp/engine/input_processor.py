@@ -53,6 +53,8 @@ class ChatOptions:
     continue_final_message: bool = False
     chat_template: str | None = None
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # OpenAI's ``tools`` (``[{"type": "function", "function": {...}}]``), for the template
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -320,6 +322,7 @@ class InputProcessor:
                 tokenize=False,
                 add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message,
+                **({"tools": options.tools} if options.tools else {}),
                 **options.template_kwargs,
             )
         except Exception as e:  # a template refusing these messages (raise_exception)

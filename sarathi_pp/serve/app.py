@@ -30,6 +30,7 @@ from sarathi_pp.scheduler.base import QueueFullError
 from sarathi_pp.serve import protocol as p
 from sarathi_pp.serve.engine_loop import EngineFailure, EngineLoop, Sink
 from sarathi_pp.serve.protocol import ApiError, GenerateRequest
+from sarathi_pp.serve.tools import ToolPlan
 
 # Seconds between checks that the client of a non-streamed request is still there.
 DISCONNECT_POLL_S = 0.5
@@ -316,6 +317,8 @@ class _Routes:
             if echo and lp is not None:
                 lp = p.joined_logprobs(answer.echoed_logprobs(prompt_idx, out), lp)
             choice = {"text": echo + text, "finish_reason": c.finish_reason, "logprobs": lp}
+            if req.tools is not None and req.tools.makes_calls:
+                choice.update(_tool_answer(req.tools, text, c.finish_reason))
             if req.params.prompt_logprobs is not None:  # vLLM's field
                 choice["prompt_logprobs"] = p.prompt_logprobs_json(out.prompt_logprobs)
             answers.append(choice)
@@ -349,6 +352,11 @@ class _Routes:
                 prompt_idx = answer.update(out)
                 for completion in out.outputs:  # every completion of the prompt, merged
                     index = prompt_idx * answer.n + completion.index
+                    if req.tools is not None and req.tools.makes_calls:  # whole, at the end
+                        if completion.finished and not answer.sent_end[index]:
+                            answer.sent_end[index] = True
+                            yield _sse(self._tool_chunk(req, request_id, index, completion))
+                        continue
                     text = "" if req.echo_only else completion.text
                     token_ids = [] if req.echo_only else completion.token_ids
                     end = len(text) if completion.finished else _safe_end(text, stops)
@@ -383,6 +391,20 @@ class _Routes:
             for rid in answer.unfinished:
                 self.engine_loop.abort(rid)
 
+    def _tool_chunk(
+        self, req: GenerateRequest, request_id: str, index: int, completion: Any
+    ) -> dict:
+        """A chat reply that may hold tool calls, in one chunk once finished (its calls
+        are known only then): its content, calls (each with its ``index``) and finish
+        reason, with the log-probabilities of all its tokens when asked for."""
+        assert req.tools is not None
+        answer = _tool_answer(req.tools, completion.text, completion.finish_reason)
+        delta: dict[str, Any] = {"content": answer["text"]} if answer["text"] else {}
+        if answer.get("tool_calls"):
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(answer["tool_calls"])]
+        lp = _logprobs(req, completion.token_ids, completion.logprobs, True)
+        return p.chat_chunk(request_id, self.model, delta, answer["finish_reason"], index, lp)
+
     def _chunk(
         self,
         request_id: str,
@@ -396,6 +418,16 @@ class _Routes:
             delta = {"content": text} if text else {}
             return p.chat_chunk(request_id, self.model, delta, finish_reason, index, logprobs)
         return p.completion_chunk(request_id, self.model, text, finish_reason, index, logprobs)
+
+
+def _tool_answer(plan: ToolPlan, text: str, finish_reason: str | None) -> dict[str, Any]:
+    """A finished chat reply as ``content`` (``text``) and ``tool_calls``; a reply with
+    calls from ``required`` or ``auto`` finishes with ``tool_calls`` (OpenAI's; a named
+    function's keeps its own reason, as OpenAI's forced calls)."""
+    content, calls = plan.answer(text)
+    if calls and plan.choice != "named" and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    return {"text": content, "tool_calls": calls, "finish_reason": finish_reason}
 
 
 def _text_of(engine: LLMEngine, token_id: int) -> str:

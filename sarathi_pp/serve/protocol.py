@@ -8,6 +8,7 @@ shape), and the values themselves are checked once, by ``SamplingParams``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -19,6 +20,7 @@ from sarathi_pp.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from sarathi_pp.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from sarathi_pp.serve.request_fields import CHAT, COMPLETIONS, fields_of, refused_fields
 from sarathi_pp.serve.structured_fields import structured_outputs
+from sarathi_pp.serve.tools import ToolError, ToolPlan, tool_plan
 
 # ``max_tokens`` when a request leaves it out, per endpoint, as vLLM's (v0.10.1
 # ``CompletionRequest.max_tokens = 16``; ``ChatCompletionRequest.max_tokens = None``, which
@@ -136,6 +138,7 @@ class GenerateRequest:
     chat: ChatOptions | None = None  # a chat's rendering options
     echo: bool = False  # completions: each choice's text starts with its prompt
     echo_only: bool = False  # and ``max_tokens: 0``: it is only its prompt (vLLM's)
+    tools: ToolPlan | None = None  # a chat's tools and how its reply becomes calls
 
 
 # Prompts in one completion request at most, and choices (prompts x ``n``: each its own
@@ -436,8 +439,24 @@ def chat_request(body: Any, defaults: dict[str, Any] | None = None) -> GenerateR
     """``POST /v1/chat/completions``: ``messages`` of ``{"role", "content"}`` (text content,
     or a list of ``{"type": "text", "text"}`` parts)."""
     common = _common(body, ("max_completion_tokens", "max_tokens"), chat=True, defaults=defaults)
+    try:
+        plan = tool_plan(body)
+    except ToolError as e:
+        raise bad_request(str(e), e.param) from None
+    options = chat_options(body)
+    if plan is not None:
+        options = dataclasses.replace(options, tools=list(plan.tools))
+        so = plan.structured_outputs()
+        if so is not None:
+            if common["params"].structured_outputs is not None:
+                raise bad_request(
+                    f"'tool_choice'={body.get('tool_choice')!r} constrains the output itself: "
+                    "not with another structured output field",
+                    "tool_choice",
+                )
+            common["params"] = dataclasses.replace(common["params"], structured_outputs=so)
     return GenerateRequest(
-        messages=_messages(body.get("messages")), chat=chat_options(body), **common
+        messages=_messages(body.get("messages")), chat=options, tools=plan, **common
     )
 
 
@@ -631,7 +650,8 @@ def chat_response(
     """``choices``: each choice's ``{"text", "finish_reason", "logprobs"}``, in order."""
     messages = [
         {
-            "message": {"role": "assistant", "content": c["text"]},
+            "message": {"role": "assistant", "content": c["text"]}
+            | ({"tool_calls": c["tool_calls"]} if c.get("tool_calls") else {}),
             "finish_reason": c["finish_reason"],
             "logprobs": c["logprobs"],
         }

@@ -118,30 +118,42 @@ FIELDS: tuple[RequestField, ...] = (
         "grammar engine (llguidance); a schema it cannot compile is a 400",
         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
     ),  # fmt: skip
-    _refused(
+    _honoured(
         "tools",
         (CHAT,),
         "openai",
-        "no tool calling (a tool-call history is rendered)",
-        [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-        lambda v: v == [],
+        "functions handed to the chat template; calls per tool_choice (serve/tools.py)",
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     ),  # fmt: skip
-    _refused(
-        "tool_choice", (CHAT,), "openai", "no tool calling", "required", lambda v: v == "none"
+    _honoured(
+        "tool_choice",
+        (CHAT,),
+        "openai",
+        "none, auto (the hermes parser), required, a named function (both constrained)",
+        "none",
     ),  # fmt: skip
-    _refused(
+    _honoured(
         "parallel_tool_calls",
         (CHAT,),
         "openai",
-        "no tool calling; a bool asks for nothing without tools",
-        "yes",
-        lambda v: isinstance(v, bool),
+        "false: at most one call",
+        False,
     ),  # fmt: skip
     _refused(
-        "functions", (CHAT,), "openai", "no tool calling", [{"name": "f"}], lambda v: v == []
+        "functions",
+        (CHAT,),
+        "openai",
+        "the deprecated API: use tools",
+        [{"name": "f"}],
+        lambda v: v == [],
     ),  # fmt: skip
     _refused(
-        "function_call", (CHAT,), "openai", "no tool calling", "auto", lambda v: v == "none"
+        "function_call",
+        (CHAT,),
+        "openai",
+        "the deprecated API: use tool_choice",
+        "auto",
+        lambda v: v == "none",
     ),  # fmt: skip
     _refused("store", (CHAT,), "openai", "no stored completions", True, lambda v: v is False),
     _refused(
