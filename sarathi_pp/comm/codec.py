@@ -293,6 +293,8 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "failure": _optional(STR),
             "logprobs": _pairs(INT, _record(TokenLogprobs)),
             "prompt_logprobs": _pairs(INT, _record(PromptChunkLogprobs)),
+            "num_grammar_masks": INT,
+            "grammar_mask_s": FLOAT,
         },
     ),
     StageMemory: (

@@ -132,3 +132,29 @@ def test_stream_equals_the_whole_answer(client) -> None:
     assert streamed == whole.message.content
     jsonschema.validate(json.loads(streamed), SCHEMA)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_mask_time_is_in_metrics(server, client) -> None:
+    import httpx
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(server.base_url + "/metrics").text
+        return {
+            name: float(line.split()[-1])
+            for line in text.splitlines()
+            for name in ("sarathi_pp_grammar_masks_total", "sarathi_pp_grammar_mask_seconds_total")
+            if line.startswith(name + " ")
+        }
+
+    before = scrape()
+    r = client.completions.create(
+        model=MODEL, prompt="x", max_tokens=8, extra_body={"guided_regex": "[a-z]{8}"}
+    )
+    after = scrape()
+    assert r.usage.completion_tokens == 8
+    # one mask per sampled token (the EOS after the 8th is never sampled: max_tokens)
+    assert after["sarathi_pp_grammar_masks_total"] - before["sarathi_pp_grammar_masks_total"] == 8
+    assert (
+        after["sarathi_pp_grammar_mask_seconds_total"]
+        > before["sarathi_pp_grammar_mask_seconds_total"]
+    )

@@ -298,11 +298,11 @@ def _params(**fields) -> list:
         ),
         (_packed(["stage_memory", 0, 1, 2, 3]), "expected the 5 fields of a StageMemory, got 4"),
         (
-            _packed(["microbatch_result", [[1]], [], [], None, [], []]),
+            _packed(["microbatch_result", [[1]], [], [], None, [], [], 0, 0.0]),
             "microbatch_result.sampled[0]: expected a [key, value] pair",
         ),
         (
-            _packed(["microbatch_result", [], [], [], 5, [], []]),
+            _packed(["microbatch_result", [], [], [], 5, [], [], 0, 0.0]),
             "microbatch_result.failure: expected str, got int",
         ),
         (
@@ -315,13 +315,25 @@ def _params(**fields) -> list:
                     None,
                     [[2, ["token_logprobs", -1.0, 1, [], []]]],
                     [],
+                    0,
+                    0.0,
                 ]
             ),
             "microbatch_result.logprobs[2]: expected the 4 fields of a TokenLogprobs",
         ),
         (
             _packed(
-                ["microbatch_result", [], [], [], None, [], [[2, [1, [[-1.0, 1, [], [], 0]]]]]]
+                [
+                    "microbatch_result",
+                    [],
+                    [],
+                    [],
+                    None,
+                    [],
+                    [[2, [1, [[-1.0, 1, [], [], 0]]]]],
+                    0,
+                    0.0,
+                ]
             ),
             "microbatch_result.prompt_logprobs[2].tokens[0]: expected the 4 fields of a TokenLogprobs",
         ),

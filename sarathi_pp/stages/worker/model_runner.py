@@ -9,6 +9,7 @@ stages after the first, the hidden states received from the previous stage.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -275,6 +276,7 @@ class ModelRunner:
         rows = [i for i in kept if chunks[i].sampling_params.structured_outputs is not None]
         if not rows:
             return sampling_logits
+        start = time.perf_counter()
         allowed, errors = self.grammar.masks(chunks, rows, [outputs[i] for i in rows])
         for i, why in errors.items():
             result.errors[chunks[i].seq_id] = why
@@ -282,6 +284,8 @@ class ModelRunner:
         idx = torch.tensor(rows, device=self.device)
         lowest = torch.finfo(out.dtype).min
         out[idx] = out[idx].masked_fill(~allowed.to(self.device), lowest)
+        result.num_grammar_masks += len(rows)
+        result.grammar_mask_s += time.perf_counter() - start  # on the host: mask, copy, fill
         return out
 
     def _prompt_logprobs(

@@ -15,7 +15,6 @@ Compiled grammars are cached per constraint (a fresh matcher, copied per sequenc
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import llguidance
@@ -51,9 +50,6 @@ class GrammarMasks:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: dict[StructuredOutputsParams, llguidance.LLMatcher] = {}
         self._follow: dict[int, _Follow] = {}
-        # mask time, for the stage's report: seconds and masks computed since last taken
-        self.mask_seconds = 0.0
-        self.num_masks = 0
 
     def release(self, microbatch: MicroBatch) -> None:
         for seq_id in microbatch.released:
@@ -65,7 +61,6 @@ class GrammarMasks:
         """The allowed tokens of each of ``rows`` (``chunks[row]``'s, whose output so far
         is ``outputs[i]``) as a bool tensor ``[len(rows), vocab]``, and the rows whose
         matcher cannot go on (row -> why: its request fails alone)."""
-        start = time.perf_counter()
         words = -(-self.vocab_size // WORD_BITS)
         bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
         errors: dict[int, str] = {}
@@ -83,15 +78,7 @@ class GrammarMasks:
         bits = torch.arange(WORD_BITS, dtype=torch.int32)
         # [rows, words, 32] -> [rows, words * 32]: bit b of word w is token w * 32 + b
         allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, : self.vocab_size]
-        self.mask_seconds += time.perf_counter() - start
-        self.num_masks += len(rows)
         return allowed, errors
-
-    def take_mask_time(self) -> tuple[float, int]:
-        """Seconds spent computing masks and how many, since last taken."""
-        out = (self.mask_seconds, self.num_masks)
-        self.mask_seconds, self.num_masks = 0.0, 0
-        return out
 
     def _advanced(self, chunk: ScheduledChunk, output: list[int]) -> llguidance.LLMatcher:
         """``chunk``'s sequence's matcher, having consumed exactly ``output``."""
