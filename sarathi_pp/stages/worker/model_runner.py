@@ -10,6 +10,7 @@ stages after the first, the hidden states received from the previous stage.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,6 +119,7 @@ class ModelRunner:
         # the last stage's: structured output's matchers (the tokenizer read on first use)
         self.tokenizer_dir = str(tokenizer_dir or model_dir)
         self.grammar = self._new_grammar()
+        self._mask_thread: ThreadPoolExecutor | None = None  # Note [mask beside the forward]
 
     # --- set-up, in two steps: weights first, then the KV cache sized from what is left ---
     def load_model(self) -> int:
@@ -187,6 +189,9 @@ class ModelRunner:
         self.kv = None
         self.penalties = PenaltyState()
         self.grammar = self._new_grammar()
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown()
+            self._mask_thread = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -210,28 +215,56 @@ class ModelRunner:
                     f"[{microbatch.num_tokens}, {self.spec.hidden_size}], got {got}"
                 )
             inputs = hidden
+        prep = self._prepare_sampling(microbatch) if self.stage.is_last else None
         out = self.model.forward(inputs, meta, self.kv)
-        if not self.stage.is_last:
+        if prep is None:
             return out
-        return self._sample(microbatch, out)
+        return self._sample(microbatch, out, prep)
 
-    def _sample(self, microbatch: MicroBatch, hidden: torch.Tensor) -> MicroBatchResult:
+    def _prepare_sampling(self, microbatch: MicroBatch) -> _Prepared:
+        """What the last stage's sampling needs before the logits: the sequences' kept
+        tokens (``stages/worker/penalties.py``) and structured output's token masks, those
+        computed on a thread while the layers run (Note [mask beside the forward])."""
+        result = MicroBatchResult()
+        self.penalties.release(microbatch)
+        self.grammar.release(microbatch)
+        chunks = [c for c in microbatch.chunks if c.do_sample]
+        kept, outputs, histories = self._kept_tokens(chunks, result)
+        rows = [i for i in kept if chunks[i].sampling_params.structured_outputs is not None]
+        masks = None
+        if rows:
+            if self._mask_thread is None:
+                self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+            outs = [outputs[i] for i in rows]
+            masks = self._mask_thread.submit(self._timed_masks, chunks, rows, outs)
+        return _Prepared(result, chunks, kept, outputs, histories, rows, masks)
+
+    def _timed_masks(self, chunks: list, rows: list[int], outputs: list[list[int]]):
+        start = time.perf_counter()
+        allowed, errors = self.grammar.masks(chunks, rows, outputs)
+        return allowed, errors, time.perf_counter() - start
+
+    def _sample(
+        self, microbatch: MicroBatch, hidden: torch.Tensor, prep: _Prepared
+    ) -> MicroBatchResult:
         """The last stage's result: each sampling sequence's token (and its log-probabilities
         if asked for), or its failure (non-finite logits: that request fails alone)."""
         assert self.model is not None
         rows = sample_rows(microbatch)
-        result = MicroBatchResult()
-        self.penalties.release(microbatch)
-        self.grammar.release(microbatch)
+        result, chunks, kept, outputs = prep.result, prep.chunks, prep.kept, prep.outputs
         self._prompt_logprobs(microbatch, hidden, result)
         if not rows:
             return result
-        chunks = [c for c in microbatch.chunks if c.do_sample]
         logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
         # every chunk's (do_sample: sampling_params is not None); the filter narrows the type
         params = [c.sampling_params for c in chunks if c.sampling_params is not None]
         num_outputs = [c.num_output_tokens for c in chunks]
-        sampling_logits, kept, outputs = self._penalized(logits, chunks, result)
+        sampling_logits = logits
+        if prep.histories:
+            pen_rows = list(prep.histories)
+            sampling_logits = apply_penalties(
+                logits, pen_rows, list(prep.histories.values()), [chunks[i] for i in pen_rows]
+            )
         sampling_logits = processed_logits(  # penalized rows: a copy already, changed in place
             sampling_logits,
             params,
@@ -240,9 +273,7 @@ class ModelRunner:
             in_place=sampling_logits is not logits,
             outputs=outputs,
         )
-        sampling_logits = self._grammar_masked(
-            sampling_logits, logits, chunks, kept, outputs, result
-        )
+        sampling_logits = self._grammar_masked(sampling_logits, logits, prep)
         tokens = sample(sampling_logits, params, num_outputs)
         if sampling_logits is not logits:  # a row whose every token its rules ruled out
             lowest = torch.finfo(sampling_logits.dtype).min
@@ -262,22 +293,16 @@ class ModelRunner:
         return result
 
     def _grammar_masked(
-        self,
-        sampling_logits: torch.Tensor,
-        logits: torch.Tensor,
-        chunks: list,
-        kept: list[int],
-        outputs: dict[int, list[int]],
-        result: MicroBatchResult,
+        self, sampling_logits: torch.Tensor, logits: torch.Tensor, prep: _Prepared
     ) -> torch.Tensor:
         """``sampling_logits`` with the tokens each structured row's grammar rules out set
         to the lowest finite value (``stages/worker/structured.py``); a copy of ``logits``
         first if it is still the raw logits (log-probabilities are reported from them)."""
-        rows = [i for i in kept if chunks[i].sampling_params.structured_outputs is not None]
-        if not rows:
+        if prep.masks is None:
             return sampling_logits
+        allowed, errors, mask_s = prep.masks.result()
         start = time.perf_counter()
-        allowed, errors = self.grammar.masks(chunks, rows, [outputs[i] for i in rows])
+        result, chunks, rows = prep.result, prep.chunks, prep.mask_rows
         for i, why in errors.items():
             result.errors[chunks[i].seq_id] = why
         out = sampling_logits.clone() if sampling_logits is logits else sampling_logits
@@ -285,7 +310,8 @@ class ModelRunner:
         lowest = torch.finfo(out.dtype).min
         out[idx] = out[idx].masked_fill(~allowed.to(self.device), lowest)
         result.num_grammar_masks += len(rows)
-        result.grammar_mask_s += time.perf_counter() - start  # on the host: mask, copy, fill
+        # the masks' own time (on the thread, beside the forward) and applying them here
+        result.grammar_mask_s += mask_s + time.perf_counter() - start
         return out
 
     def _prompt_logprobs(
@@ -315,15 +341,15 @@ class ModelRunner:
             else:
                 result.prompt_logprobs[c.seq_id] = PromptChunkLogprobs(c.start + 1, tuple(parts))
 
-    def _penalized(
-        self, logits: torch.Tensor, chunks: list, result: MicroBatchResult
-    ) -> tuple[torch.Tensor, list[int], dict[int, list[int]]]:
-        """The logits to sample from (penalized where asked; ``stages/worker/penalties.py``), the
-        rows whose tokens the stage keeps (``SamplingParams.keeps_tokens``) and, for those
-        with bad words or structured output, their output tokens so far. A row whose tokens the stage lacks fails
-        its request."""
-        kept, rows, histories = [], [], []
+    def _kept_tokens(
+        self, chunks: list, result: MicroBatchResult
+    ) -> tuple[list[int], dict[int, list[int]], dict[int, list[int]]]:
+        """The rows whose tokens the stage keeps (``SamplingParams.keeps_tokens``; a row
+        whose tokens the stage lacks fails its request), the output tokens so far of those
+        with bad words or structured output, and the tokens of those with penalties."""
+        kept: list[int] = []
         outputs: dict[int, list[int]] = {}
+        histories: dict[int, list[int]] = {}
         for i, c in enumerate(chunks):
             p = c.sampling_params
             if not p.keeps_tokens:
@@ -337,8 +363,25 @@ class ModelRunner:
             if p.bad_words_token_ids or p.structured_outputs is not None:
                 outputs[i] = tokens[len(tokens) - c.num_output_tokens :]
             if p.has_penalties:
-                rows.append(i)
-                histories.append(tokens)
-        if not rows:
-            return logits, kept, outputs
-        return apply_penalties(logits, rows, histories, [chunks[i] for i in rows]), kept, outputs
+                histories[i] = tokens
+        return kept, outputs, histories
+
+
+@dataclass
+class _Prepared:
+    """The last stage's sampling state of one micro-batch, set before its forward."""
+
+    result: MicroBatchResult
+    chunks: list  # the sampling chunks, in row order
+    kept: list[int]
+    outputs: dict[int, list[int]]  # row -> its output so far (bad words, structured output)
+    histories: dict[int, list[int]]  # row -> its tokens (penalties)
+    mask_rows: list[int]  # the rows structured output constrains
+    masks: Future | None  # their (allowed [rows, vocab], errors, seconds), from the thread
+
+
+# Note [mask beside the forward]: a constrained sequence's mask depends only on its
+# tokens so far, all known when the micro-batch arrives, so the last stage computes it on
+# a thread (llguidance works without the GIL) while its layers run and only applies it
+# after the logits: on a GPU the host is otherwise idle then; on a CPU the thread shares
+# the cores with torch's.
