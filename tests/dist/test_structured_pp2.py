@@ -1,4 +1,5 @@
-"""Structured output at PP=2 over Ray: the sampled JSON of the last stage's grammar masks
+"""Structured output at PP=2 over Ray (a task per stage, and the compiled graph): the
+sampled JSON of the last stage's grammar masks
 equals the one-stage run's token for token (seeded sampling), with and without scheduling
 ahead over the token ring; a stage killed mid-run is replaced, and the sequences it held
 are recomputed with their matchers rebuilt from their tokens: the outputs still equal the
@@ -51,9 +52,15 @@ def reference(llama_dir):
     return tokens
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["ray", "ray+ahead"])
-def test_pp2_equals_pp1(ray_cluster, llama_dir, reference, ahead):
-    with LLM(str(llama_dir), pipeline_parallel_size=2, schedule_ahead=ahead, **BASE) as llm:
+@pytest.mark.parametrize(
+    ("executor", "ahead"),
+    [("ray", False), ("ray", True), ("ray_compiled", False)],
+    ids=["ray", "ray+ahead", "ray_compiled"],
+)
+def test_pp2_equals_pp1(ray_cluster, llama_dir, reference, executor, ahead):
+    with LLM(
+        str(llama_dir), pipeline_parallel_size=2, executor=executor, schedule_ahead=ahead, **BASE
+    ) as llm:
         assert llm.engine.schedule_ahead == ahead
         outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
