@@ -30,7 +30,7 @@ from sarathi_pp.scheduler.base import QueueFullError
 from sarathi_pp.serve import protocol as p
 from sarathi_pp.serve.engine_loop import EngineFailure, EngineLoop, Sink
 from sarathi_pp.serve.protocol import ApiError, GenerateRequest
-from sarathi_pp.serve.tools import ToolPlan
+from sarathi_pp.serve.tools import ToolPlan, tool_parser
 
 # Seconds between checks that the client of a non-streamed request is still there.
 DISCONNECT_POLL_S = 0.5
@@ -41,9 +41,11 @@ def create_app(
     served_model_name: str | list[str],
     api_key: str | None = None,
     chat_template: str | None = None,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """``chat_template``: the server's (``--chat-template``) instead of the tokenizer's; a
-    request's own ``chat_template`` wins."""
+    request's own ``chat_template`` wins. ``tool_call_parser``: how ``tool_choice: auto``
+    reads a reply's calls (``serve/tools.py``'s ``TOOL_PARSERS``)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -55,7 +57,7 @@ def create_app(
 
     app = FastAPI(title="sarathi-pp", lifespan=lifespan)
     app.state.engine_loop = engine_loop
-    server = _Routes(engine_loop, served_model_name, chat_template)
+    server = _Routes(engine_loop, served_model_name, chat_template, tool_call_parser)
     engine_loop.metrics.vllm.name_model(server.model)  # vLLM's ``model_name`` label
 
     @app.exception_handler(ApiError)
@@ -101,9 +103,12 @@ class _Routes:
         engine_loop: EngineLoop,
         served_model_name: str | list[str],
         chat_template: str | None = None,
+        tool_call_parser: str = "hermes",
     ) -> None:
         self.engine_loop = engine_loop
         self.chat_template = chat_template
+        tool_parser(tool_call_parser)  # an unknown name: a ValueError listing the valid ones
+        self.tool_call_parser = tool_call_parser
         names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
         if not names:
             raise ValueError("served_model_name: give at least one name")
@@ -246,7 +251,7 @@ class _Routes:
         return await self._generate(request, req, request_id, answer, add, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
-        req = p.chat_request(await _json_body(request), self.defaults)
+        req = p.chat_request(await _json_body(request), self.defaults, self.tool_call_parser)
         request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
         chat = RequestInput(
             request_id, req.params, messages=req.messages, where="'messages'",

@@ -435,12 +435,14 @@ def _prompt(prompt: Any, where: str) -> Prompt:
     )
 
 
-def chat_request(body: Any, defaults: dict[str, Any] | None = None) -> GenerateRequest:
+def chat_request(
+    body: Any, defaults: dict[str, Any] | None = None, tool_call_parser: str = "hermes"
+) -> GenerateRequest:
     """``POST /v1/chat/completions``: ``messages`` of ``{"role", "content"}`` (text content,
     or a list of ``{"type": "text", "text"}`` parts)."""
     common = _common(body, ("max_completion_tokens", "max_tokens"), chat=True, defaults=defaults)
     try:
-        plan = tool_plan(body)
+        plan = tool_plan(body, tool_call_parser)
     except ToolError as e:
         raise bad_request(str(e), e.param) from None
     options = chat_options(body)

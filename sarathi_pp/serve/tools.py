@@ -155,7 +155,7 @@ class ToolPlan:
         return text, []
 
 
-def tool_plan(body: dict[str, Any]) -> ToolPlan | None:
+def tool_plan(body: dict[str, Any], parser: str = "hermes") -> ToolPlan | None:
     """The request's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, checked
     (``ToolError`` naming the field); ``None`` without tools."""
     tools = body.get("tools")
@@ -198,7 +198,7 @@ def tool_plan(body: dict[str, Any]) -> ToolPlan | None:
             "tool_choice",
             f"'tool_choice' must be 'none', 'auto', 'required' or a named function, got {choice!r}",
         )
-    plan = ToolPlan(tuple(tools), choice, name, parallel is not False)
+    plan = ToolPlan(tuple(tools), choice, name, parallel is not False, parser)
     so = plan.structured_outputs()
     if so is not None:
         try:
