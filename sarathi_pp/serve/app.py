@@ -30,7 +30,7 @@ from sarathi_pp.scheduler.base import QueueFullError
 from sarathi_pp.serve import protocol as p
 from sarathi_pp.serve.engine_loop import EngineFailure, EngineLoop, Sink
 from sarathi_pp.serve.protocol import ApiError, GenerateRequest
-from sarathi_pp.serve.tools import ToolPlan, tool_parser
+from sarathi_pp.serve.tools import ToolPlan, new_call_id, tool_parser
 
 # Seconds between checks that the client of a non-streamed request is still there.
 DISCONNECT_POLL_S = 0.5
@@ -357,7 +357,8 @@ class _Routes:
                 prompt_idx = answer.update(out)
                 for completion in out.outputs:  # every completion of the prompt, merged
                     index = prompt_idx * answer.n + completion.index
-                    if req.tools is not None and req.tools.makes_calls:  # whole, at the end
+                    named = req.tools is not None and req.tools.choice == "named"
+                    if req.tools is not None and req.tools.makes_calls and not named:  # at the end
                         if completion.finished and not answer.sent_end[index]:
                             answer.sent_end[index] = True
                             yield _sse(self._tool_chunk(req, request_id, index, completion))
@@ -385,6 +386,11 @@ class _Routes:
                         delta = echo + delta
                         if lp is not None:
                             lp = p.joined_logprobs(answer.echoed_logprobs(prompt_idx, out), lp)
+                    if named:  # the text is the call's arguments, streamed as they come
+                        yield _sse(
+                            self._arguments_chunk(req, request_id, answer, delta, reason, index, lp)
+                        )
+                        continue
                     yield _sse(self._chunk(request_id, delta, reason, chat, index, lp))
             if req.include_usage and answer.all_finished and not answer.failed:
                 chunk = self._chunk(request_id, "", None, chat, 0)
@@ -409,6 +415,28 @@ class _Routes:
             delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(answer["tool_calls"])]
         lp = _logprobs(req, completion.token_ids, completion.logprobs, True)
         return p.chat_chunk(request_id, self.model, delta, answer["finish_reason"], index, lp)
+
+    def _arguments_chunk(
+        self,
+        req: GenerateRequest,
+        request_id: str,
+        answer: _Answer,
+        text: str,
+        finish_reason: str | None,
+        index: int,
+        logprobs: dict[str, Any] | None,
+    ) -> dict:
+        """A named function's call streamed as OpenAI streams it: the first chunk names the
+        call (its id, type and name), every chunk carries the next piece of its
+        ``arguments``."""
+        assert req.tools is not None and req.tools.name is not None
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+        if index not in answer.call_ids:
+            call["id"] = answer.call_ids[index] = new_call_id()
+            call["type"] = "function"
+            call["function"]["name"] = req.tools.name
+        delta: dict[str, Any] = {"tool_calls": [call]} if text or "id" in call else {}
+        return p.chat_chunk(request_id, self.model, delta, finish_reason, index, logprobs)
 
     def _chunk(
         self,
@@ -476,6 +504,7 @@ class _Answer:
         self.echoed = [False] * self.num_choices  # streaming: the prompt has been sent
         self.sent_end = [False] * self.num_choices  # streaming: the finish reason has been sent
         self.echo_only = False  # ``max_tokens: 0`` with echo: no completion tokens
+        self.call_ids: dict[int, str] = {}  # streaming a named tool call: each choice's id
 
     def echoed_logprobs(self, prompt_idx: int, out: RequestOutput) -> dict[str, Any]:
         """The ``logprobs`` of prompt ``prompt_idx``'s echo (``out``: its output), its text

@@ -69,11 +69,15 @@ def tool_parser(name: str) -> Callable[[str], tuple[str | None, list[dict[str, A
     return TOOL_PARSERS[name]
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _call(name: str, arguments: Any) -> dict[str, Any]:
     """One call in OpenAI's shape (``arguments`` as JSON text)."""
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "id": new_call_id(),
         "type": "function",
         "function": {"name": name, "arguments": args},
     }
@@ -136,12 +140,8 @@ class ToolPlan:
     def answer(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """A finished reply's ``content`` and ``tool_calls`` (none: the text is the
         content, e.g. a constrained reply that ``max_tokens`` cut short)."""
-        if self.choice == "named":
+        if self.choice == "named":  # always the call (its arguments cut short by a length stop)
             assert self.name is not None
-            try:
-                json.loads(text)
-            except ValueError:
-                return text, []
             return None, [_call(self.name, text)]
         if self.choice == "required":
             try:

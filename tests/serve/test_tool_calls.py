@@ -133,15 +133,25 @@ def test_the_hermes_parser_on_fixtures() -> None:
 
 
 def test_streamed_calls_equal_the_whole_answer(client) -> None:
+    """A named call's arguments stream piece by piece (its first delta names it); the
+    calls of ``required`` come whole at the end; joined, each equals the unstreamed reply."""
     for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
         kw = dict(tool_choice=choice, seed=4, max_tokens=200)
         whole = _chat(client, **kw).choices[0]
         chunks = [c for c in _chat(client, **kw, stream=True) if c.choices]
         deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
-        assert [(d.function.name, d.function.arguments) for d in deltas] == [
+        calls: dict[int, list[str]] = {}
+        for d in deltas:
+            if d.id is not None:  # a call's first delta: its id, type and name
+                assert d.type == "function" and d.index not in calls
+                calls[d.index] = [d.function.name, ""]
+            calls[d.index][1] += d.function.arguments or ""
+        assert [tuple(calls[i]) for i in sorted(calls)] == [
             (t.function.name, t.function.arguments) for t in whole.message.tool_calls
         ]
         assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+        if isinstance(choice, dict):
+            assert len(deltas) > 3  # streamed as it came, not whole at the end
 
 
 def test_the_tools_reach_the_template(client) -> None:
