@@ -37,6 +37,9 @@ class Checkpoint:
     max_model_len: int  # prompt + output tokens of one sequence, within the checkpoint's limit
     # generation_config.json's sampling defaults (its EOS ids are in ``spec.eos_token_ids``)
     generation: GenerationDefaults = GenerationDefaults()
+    # ``model.tokenizer`` where set (else the model folder's): the last stage reads it for
+    # structured output's token masks
+    tokenizer_path: str | None = None
 
 
 def load_checkpoint(
@@ -51,7 +54,8 @@ def load_checkpoint(
     extra_eos = [t for t in generation.eos_token_ids if t not in spec.eos_token_ids]
     if extra_eos:  # vLLM's: generation_config.json's EOS ids stop every request too
         spec = dataclasses.replace(spec, eos_token_ids=(*spec.eos_token_ids, *extra_eos))
-    return Checkpoint(path, spec, resolve_max_model_len(model, spec), generation)
+    max_model_len = resolve_max_model_len(model, spec)
+    return Checkpoint(path, spec, max_model_len, generation, model.tokenizer)
 
 
 def resolve_model_path(path: str, resolve_builtin: BuiltinResolver | None = None) -> str:

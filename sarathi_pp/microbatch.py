@@ -204,6 +204,10 @@ class MicroBatchResult:
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
     # seq_id -> its chunk's prompt log-probabilities (``ScheduledChunk.prompt_targets``)
     prompt_logprobs: dict[int, PromptChunkLogprobs] = field(default_factory=dict)
+    # Structured output: the token masks the last stage computed and applied for this
+    # micro-batch (one per constrained sequence) and the seconds that took
+    num_grammar_masks: int = 0
+    grammar_mask_s: float = 0.0
 
     def add(self, other: MicroBatchResult) -> None:
         """Take ``other``'s tokens, log-probabilities and failures (a retry's, one
@@ -212,6 +216,8 @@ class MicroBatchResult:
         self.logprobs.update(other.logprobs)
         self.prompt_logprobs.update(other.prompt_logprobs)
         self.errors.update(other.errors)
+        self.num_grammar_masks += other.num_grammar_masks
+        self.grammar_mask_s += other.grammar_mask_s
 
 
 def retry_one_at_a_time(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -25,6 +26,102 @@ class SamplingParamsError(ValueError):
         return type(self), (self.param, str(self))
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Output constrained to a grammar (vLLM's ``StructuredOutputsParams``): exactly one of
+    ``json`` (a JSON schema, as a dict or its text), ``regex``, ``choice`` (the output is
+    one of these strings), ``grammar`` (Lark or GBNF/EBNF, as llguidance reads them) or
+    ``json_object`` (any JSON object: OpenAI's ``response_format`` ``json_object``).
+
+    Checked here for shape (``SamplingParamsError`` naming ``structured_outputs``); whether
+    the grammar engine can compile it is checked when the engine takes the request
+    (``sarathi_pp/grammar.py``), before any work. ``json`` is kept as its text (keys in the
+    schema's order: the order a model writes properties in), so the value is hashable and
+    the last stage caches one compiled grammar per schema."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    # vLLM's: JSON without whitespace between its tokens (the default lets the model
+    # write any, as vLLM's; a random or small model may fill its tokens with it)
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        name = "structured_outputs"
+        if self.json is not None:
+            set_("json", _json_text(self.json))
+        if self.choice is not None:
+            choice = () if isinstance(self.choice, str) else _as_tuple(name, self.choice)
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise SamplingParamsError(
+                    name,
+                    f"structured_outputs.choice must be non-empty strings, got {self.choice!r}",
+                )
+            set_("choice", choice)
+        for field_name in ("regex", "grammar"):
+            value = getattr(self, field_name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SamplingParamsError(
+                    name,
+                    f"structured_outputs.{field_name} must be a non-empty string, got {value!r}",
+                )
+        for flag in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, flag), bool):
+                raise SamplingParamsError(
+                    name,
+                    f"structured_outputs.{flag} must be True or False, got {getattr(self, flag)!r}",
+                )
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise SamplingParamsError(
+                name,
+                "structured_outputs takes exactly one of json, regex, choice, grammar, "
+                f"json_object; got {given or 'none'}",
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
+        for k in ("json", "regex", "choice", "grammar"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
+
+    def __repr__(self) -> str:
+        value = getattr(self, self.kind)
+        text = str(value)
+        return (
+            f"StructuredOutputsParams({self.kind}={text[:60]!r}{'...' if len(text) > 60 else ''})"
+        )
+
+
+def _json_text(schema: Any) -> str:
+    """A JSON schema as compact text, its keys in their order; ``SamplingParamsError`` for
+    one that is not a JSON object."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise SamplingParamsError(
+                "structured_outputs", f"structured_outputs.json is not valid JSON: {e}"
+            ) from None
+    if not isinstance(schema, dict):
+        raise SamplingParamsError(
+            "structured_outputs",
+            f"structured_outputs.json must be a JSON schema (an object), got {schema!r}",
+        )
+    try:
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as e:
+        raise SamplingParamsError(
+            "structured_outputs", f"structured_outputs.json is not JSON-serializable: {e}"
+        ) from None
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop, per request.
@@ -42,7 +139,10 @@ class SamplingParams:
     ``allowed_token_ids``, ``bad_words`` and ``truncate_prompt_tokens`` are vLLM's: the
     first two rule tokens out before sampling (not from the reported log-probabilities,
     which stay the raw logits'); the last cuts the prompt from the left before it is
-    checked against ``max_model_len``.
+    checked against ``max_model_len``. ``structured_outputs`` (vLLM's) constrains the
+    output to a JSON schema, a regex, a choice or a grammar
+    (``StructuredOutputsParams``; a dict of its fields is accepted): a token mask applied
+    on the last stage before sampling, greedy or random.
 
     Checked at construction (``SamplingParamsError``, a ``ValueError``, naming the field and
     the value, the field also in its ``param``): integer fields take any integer type
@@ -93,6 +193,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # ``bad_words`` as token ids (the engine tokenizes them: ``InputProcessor.with_bad_words``)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple, repr=False)
+    # vLLM's: the output follows a JSON schema, regex, choice or grammar (None: free)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalise to plain Python types (numpy scalars would otherwise travel to the
@@ -142,6 +244,21 @@ class SamplingParams:
                 for w in _as_tuple("bad_words", self.bad_words_token_ids)
             ),
         )
+        if isinstance(self.structured_outputs, dict):
+            try:
+                set_("structured_outputs", StructuredOutputsParams(**self.structured_outputs))
+            except TypeError as e:
+                raise SamplingParamsError(
+                    "structured_outputs", f"structured_outputs: {e}"
+                ) from None
+        elif self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise SamplingParamsError(
+                "structured_outputs",
+                "structured_outputs must be a StructuredOutputsParams, a dict of its fields or "
+                f"None, got {self.structured_outputs!r}",
+            )
         if self.top_k == -1:
             set_("top_k", 0)
         self._validate()
@@ -257,9 +374,14 @@ class SamplingParams:
     @property
     def keeps_tokens(self) -> bool:
         """Whether the last stage keeps the sequence's tokens (``stages/worker/penalties.py``):
-        for the penalties, and for a bad word of more than one token (its prefix is
-        matched against the output)."""
-        return self.has_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)
+        for the penalties, for a bad word of more than one token (its prefix is matched
+        against the output) and for structured output (its grammar matcher is rebuilt from
+        the output after a recompute)."""
+        return (
+            self.has_penalties
+            or any(len(w) > 1 for w in self.bad_words_token_ids)
+            or self.structured_outputs is not None
+        )
 
     @property
     def is_greedy(self) -> bool:

@@ -104,6 +104,11 @@ def add_parser(subparsers: Any) -> None:
         "likely tokens' at its position (0-20; with --output: a 'prompt_logprobs' field, "
         "null for the first token)",
     )  # fmt: skip
+    g.add_argument(
+        "--structured-outputs", type=_json_object, metavar="JSON",
+        help="constrain the output (SamplingParams.structured_outputs): a JSON object with "
+        'one of json (a schema), regex, choice, grammar, json_object, e.g. \'{"regex": "[ab]+"}\'',
+    )  # fmt: skip
     g = p.add_argument_group("output")
     g.add_argument(
         "--output",
@@ -130,7 +135,18 @@ SAMPLING_FLAGS = {
     "repetition_penalty": "--repetition-penalty", "logprobs": "--logprobs",
     "min_tokens": "--min-tokens", "prompt_logprobs": "--prompt-logprobs",
     "bad_words": "--bad-word", "truncate_prompt_tokens": "--truncate-prompt-tokens",
+    "structured_outputs": "--structured-outputs",
 }  # fmt: skip
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -164,6 +180,7 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
         prompt_logprobs=args.prompt_logprobs,
         bad_words=tuple(args.bad_words),
         truncate_prompt_tokens=args.truncate_prompt_tokens,
+        structured_outputs=getattr(args, "structured_outputs", None),
     )
 
 

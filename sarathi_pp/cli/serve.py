@@ -57,6 +57,13 @@ def add_parser(subparsers: Any) -> None:
         "tokenizer's; a request's chat_template wins",
     )
     g.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        default="hermes",
+        help="how a chat reply's tool calls are read under tool_choice 'auto' "
+        "(vLLM's flag; default: hermes)",
+    )
+    g.add_argument(
         "--uvicorn-log-level",
         "--log-level",
         dest="log_level",
@@ -84,12 +91,16 @@ def run(args: argparse.Namespace) -> int:
         if not 0 < args.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {args.port}")
         chat_template = read_chat_template(args.chat_template)
+        from sarathi_pp.serve.tools import tool_parser
+
+        tool_parser(args.tool_call_parser)  # an unknown name: an error listing the valid ones
         config = config_from_args(args)
         engine = LLMEngine(config)
     names = args.served_model_name or [args.model or config.model.path]
     server = build_server(
-        engine, names, args.host, args.port, api_key, args.log_level, chat_template
-    )
+        engine, names, args.host, args.port, api_key, args.log_level, chat_template,
+        args.tool_call_parser,
+    )  # fmt: skip
     try:
         server.run()  # its lifespan stops the engine loop and shuts the engine down
     except (KeyboardInterrupt, SystemExit):

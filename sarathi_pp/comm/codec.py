@@ -41,7 +41,7 @@ from sarathi_pp.microbatch import (
     StageEvent,
     TokenLogprobs,
 )
-from sarathi_pp.sampling_params import SamplingParams
+from sarathi_pp.sampling_params import SamplingParams, StructuredOutputsParams
 from sarathi_pp.stage_memory import StageMemory
 
 # 2: prompt log-probabilities (chunk targets, step results); 3: M_A; 4: allowed_token_ids,
@@ -197,6 +197,17 @@ def _at(segment: str, convert: Convert, v: Any) -> Any:
 
 # --- the records: tag and fields, in declaration order (a test checks them against the classes) --
 _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
+    StructuredOutputsParams: (
+        "structured_outputs",
+        {
+            "json": _optional(STR),
+            "regex": _optional(STR),
+            "choice": _optional(STRS),
+            "grammar": _optional(STR),
+            "json_object": BOOL,
+            "disable_any_whitespace": BOOL,
+        },
+    ),
     SamplingParams: (
         "sampling_params",
         {
@@ -225,6 +236,7 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "bad_words": STRS,
             "truncate_prompt_tokens": _optional(INT),
             "bad_words_token_ids": _tuple_of(INTS),
+            "structured_outputs": _optional(_record(StructuredOutputsParams)),
         },
     ),
     ScheduledChunk: (
@@ -281,6 +293,8 @@ _RECORDS: dict[type, tuple[str, dict[str, Kind]]] = {
             "failure": _optional(STR),
             "logprobs": _pairs(INT, _record(TokenLogprobs)),
             "prompt_logprobs": _pairs(INT, _record(PromptChunkLogprobs)),
+            "num_grammar_masks": INT,
+            "grammar_mask_s": FLOAT,
         },
     ),
     StageMemory: (

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from sarathi_pp import grammar
 from sarathi_pp.checkpoint import Checkpoint
 from sarathi_pp.config import ModelConfig
 from sarathi_pp.engine.tokenizer import has_tokenizer, load_tokenizer
@@ -52,6 +53,8 @@ class ChatOptions:
     continue_final_message: bool = False
     chat_template: str | None = None
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # OpenAI's ``tools`` (``[{"type": "function", "function": {...}}]``), for the template
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,11 @@ class InputProcessor:
                 raise SamplingParamsError(
                     name, f"{where}: {name} has token ids outside [0, {vocab}): {bad[:5]}"
                 )
+        if params.structured_outputs is not None:  # compiled here, before any work
+            try:
+                grammar.check(params.structured_outputs)
+            except SamplingParamsError as e:
+                raise SamplingParamsError(e.param, f"{where}: {e}") from None
         if params.allowed_token_ids is not None:  # what the last stage will rule out
             left = set(params.allowed_token_ids)
             left -= {w[0] for w in params.bad_words_token_ids if len(w) == 1}
@@ -324,6 +332,7 @@ class InputProcessor:
                 tokenize=False,
                 add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message,
+                **({"tools": options.tools} if options.tools else {}),
                 **options.template_kwargs,
             )
         except Exception as e:  # a template refusing these messages (raise_exception)

@@ -36,7 +36,10 @@ class UniprocExecutor:
         stage = StageSpec.of(
             self.placement, 0, token_ring=self.schedule_ahead.on, prefault=config.cache.prefault
         )
-        self.runner = ModelRunner(checkpoint.spec, checkpoint.path, stage, checkpoint.max_model_len)
+        self.runner = ModelRunner(
+            checkpoint.spec, checkpoint.path, stage, checkpoint.max_model_len,
+            checkpoint.tokenizer_path,
+        )  # fmt: skip
         self.config, self.checkpoint = config, checkpoint
         self.faults = FaultInjector(config.parallel.inject_fault, 0)
         self._done: deque[tuple[MicroBatch, MicroBatchResult]] = deque()

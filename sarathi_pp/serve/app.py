@@ -30,6 +30,7 @@ from sarathi_pp.scheduler.base import QueueFullError
 from sarathi_pp.serve import protocol as p
 from sarathi_pp.serve.engine_loop import EngineFailure, EngineLoop, Sink
 from sarathi_pp.serve.protocol import ApiError, GenerateRequest
+from sarathi_pp.serve.tools import ToolPlan, new_call_id, tool_parser
 
 # Seconds between checks that the client of a non-streamed request is still there.
 DISCONNECT_POLL_S = 0.5
@@ -40,9 +41,11 @@ def create_app(
     served_model_name: str | list[str],
     api_key: str | None = None,
     chat_template: str | None = None,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """``chat_template``: the server's (``--chat-template``) instead of the tokenizer's; a
-    request's own ``chat_template`` wins."""
+    request's own ``chat_template`` wins. ``tool_call_parser``: how ``tool_choice: auto``
+    reads a reply's calls (``serve/tools.py``'s ``TOOL_PARSERS``)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -54,7 +57,7 @@ def create_app(
 
     app = FastAPI(title="sarathi-pp", lifespan=lifespan)
     app.state.engine_loop = engine_loop
-    server = _Routes(engine_loop, served_model_name, chat_template)
+    server = _Routes(engine_loop, served_model_name, chat_template, tool_call_parser)
     engine_loop.metrics.vllm.name_model(server.model)  # vLLM's ``model_name`` label
 
     @app.exception_handler(ApiError)
@@ -100,9 +103,12 @@ class _Routes:
         engine_loop: EngineLoop,
         served_model_name: str | list[str],
         chat_template: str | None = None,
+        tool_call_parser: str = "hermes",
     ) -> None:
         self.engine_loop = engine_loop
         self.chat_template = chat_template
+        tool_parser(tool_call_parser)  # an unknown name: a ValueError listing the valid ones
+        self.tool_call_parser = tool_call_parser
         names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
         if not names:
             raise ValueError("served_model_name: give at least one name")
@@ -246,7 +252,7 @@ class _Routes:
         return await self._generate(request, req, request_id, answer, add, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
-        req = p.chat_request(await _json_body(request), self.defaults)
+        req = p.chat_request(await _json_body(request), self.defaults, self.tool_call_parser)
         request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
         chat = RequestInput(
             request_id, req.params, messages=req.messages, where="'messages'",
@@ -318,6 +324,8 @@ class _Routes:
             if echo and lp is not None:
                 lp = p.joined_logprobs(answer.echoed_logprobs(prompt_idx, out), lp)
             choice = {"text": echo + text, "finish_reason": c.finish_reason, "logprobs": lp}
+            if req.tools is not None and req.tools.makes_calls:
+                choice.update(_tool_answer(req.tools, text, c.finish_reason))
             if req.params.prompt_logprobs is not None:  # vLLM's field
                 choice["prompt_logprobs"] = p.prompt_logprobs_json(out.prompt_logprobs)
             answers.append(choice)
@@ -351,6 +359,12 @@ class _Routes:
                 prompt_idx = answer.update(out)
                 for completion in out.outputs:  # every completion of the prompt, merged
                     index = prompt_idx * answer.n + completion.index
+                    named = req.tools is not None and req.tools.choice == "named"
+                    if req.tools is not None and req.tools.makes_calls and not named:  # at the end
+                        if completion.finished and not answer.sent_end[index]:
+                            answer.sent_end[index] = True
+                            yield _sse(self._tool_chunk(req, request_id, index, completion))
+                        continue
                     text = "" if req.echo_only else completion.text
                     token_ids = [] if req.echo_only else completion.token_ids
                     end = len(text) if completion.finished else _safe_end(text, stops)
@@ -374,6 +388,11 @@ class _Routes:
                         delta = echo + delta
                         if lp is not None:
                             lp = p.joined_logprobs(answer.echoed_logprobs(prompt_idx, out), lp)
+                    if named:  # the text is the call's arguments, streamed as they come
+                        yield _sse(
+                            self._arguments_chunk(req, request_id, answer, delta, reason, index, lp)
+                        )
+                        continue
                     yield _sse(self._chunk(request_id, delta, reason, chat, index, lp))
             if req.include_usage and answer.all_finished and not answer.failed:
                 chunk = self._chunk(request_id, "", None, chat, 0)
@@ -384,6 +403,42 @@ class _Routes:
         finally:
             for rid in answer.unfinished:
                 self.engine_loop.abort(rid)
+
+    def _tool_chunk(
+        self, req: GenerateRequest, request_id: str, index: int, completion: Any
+    ) -> dict:
+        """A chat reply that may hold tool calls, in one chunk once finished (its calls
+        are known only then): its content, calls (each with its ``index``) and finish
+        reason, with the log-probabilities of all its tokens when asked for."""
+        assert req.tools is not None
+        answer = _tool_answer(req.tools, completion.text, completion.finish_reason)
+        delta: dict[str, Any] = {"content": answer["text"]} if answer["text"] else {}
+        if answer.get("tool_calls"):
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(answer["tool_calls"])]
+        lp = _logprobs(req, completion.token_ids, completion.logprobs, True)
+        return p.chat_chunk(request_id, self.model, delta, answer["finish_reason"], index, lp)
+
+    def _arguments_chunk(
+        self,
+        req: GenerateRequest,
+        request_id: str,
+        answer: _Answer,
+        text: str,
+        finish_reason: str | None,
+        index: int,
+        logprobs: dict[str, Any] | None,
+    ) -> dict:
+        """A named function's call streamed as OpenAI streams it: the first chunk names the
+        call (its id, type and name), every chunk carries the next piece of its
+        ``arguments``."""
+        assert req.tools is not None and req.tools.name is not None
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+        if index not in answer.call_ids:
+            call["id"] = answer.call_ids[index] = new_call_id()
+            call["type"] = "function"
+            call["function"]["name"] = req.tools.name
+        delta: dict[str, Any] = {"tool_calls": [call]} if text or "id" in call else {}
+        return p.chat_chunk(request_id, self.model, delta, finish_reason, index, logprobs)
 
     def _chunk(
         self,
@@ -398,6 +453,16 @@ class _Routes:
             delta = {"content": text} if text else {}
             return p.chat_chunk(request_id, self.model, delta, finish_reason, index, logprobs)
         return p.completion_chunk(request_id, self.model, text, finish_reason, index, logprobs)
+
+
+def _tool_answer(plan: ToolPlan, text: str, finish_reason: str | None) -> dict[str, Any]:
+    """A finished chat reply as ``content`` (``text``) and ``tool_calls``; a reply with
+    calls from ``required`` or ``auto`` finishes with ``tool_calls`` (OpenAI's; a named
+    function's keeps its own reason, as OpenAI's forced calls)."""
+    content, calls = plan.answer(text)
+    if calls and plan.choice != "named" and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    return {"text": content, "tool_calls": calls, "finish_reason": finish_reason}
 
 
 def _text_of(engine: LLMEngine, token_id: int) -> str:
@@ -441,6 +506,7 @@ class _Answer:
         self.echoed = [False] * self.num_choices  # streaming: the prompt has been sent
         self.sent_end = [False] * self.num_choices  # streaming: the finish reason has been sent
         self.echo_only = False  # ``max_tokens: 0`` with echo: no completion tokens
+        self.call_ids: dict[int, str] = {}  # streaming a named tool call: each choice's id
 
     def echoed_logprobs(self, prompt_idx: int, out: RequestOutput) -> dict[str, Any]:
         """The ``logprobs`` of prompt ``prompt_idx``'s echo (``out``: its output), its text

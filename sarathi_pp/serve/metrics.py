@@ -81,6 +81,16 @@ class ServerMetrics(Observer):
         self.stage_microbatches = Counter(
             "sarathi_pp_stage_microbatches", "Micro-batches each stage ran", ["stage"], registry=r
         )
+        # Structured output on the last stage (on the pipeline's critical path): mask time
+        # per constrained token is rate(seconds) / rate(masks)
+        self.grammar_masks = Counter(
+            "sarathi_pp_grammar_masks", "Token masks applied for structured output", registry=r
+        )
+        self.grammar_mask_seconds = Counter(
+            "sarathi_pp_grammar_mask_seconds",
+            "Seconds the last stage spent computing and applying structured output's masks",
+            registry=r,
+        )
         self._num_preemptions_seen = 0
         self.vllm = VllmMetrics(r)  # vLLM's names too (``name_model`` labels them)
 
@@ -111,6 +121,9 @@ class ServerMetrics(Observer):
     ) -> None:  # fmt: skip
         """A micro-batch's tokens are back: every stage's timing of it."""
         self.stage_events(result.events)
+        if result.num_grammar_masks:
+            self.grammar_masks.inc(result.num_grammar_masks)
+            self.grammar_mask_seconds.inc(result.grammar_mask_s)
 
     def stage_events(self, events: Any) -> None:
         """The ``StageEvent``s of one completed micro-batch (one per stage)."""

@@ -8,6 +8,7 @@ shape), and the values themselves are checked once, by ``SamplingParams``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -16,8 +17,10 @@ from typing import Any
 
 from sarathi_pp.engine.input_processor import ChatOptions
 from sarathi_pp.outputs import Logprob, PromptLogprobs, SampleLogprobs
-from sarathi_pp.sampling_params import MAX_LOGPROBS, SamplingParams
+from sarathi_pp.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from sarathi_pp.serve.request_fields import CHAT, COMPLETIONS, fields_of, refused_fields
+from sarathi_pp.serve.structured_fields import structured_outputs
+from sarathi_pp.serve.tools import ToolError, ToolPlan, tool_plan
 
 # ``max_tokens`` when a request leaves it out, per endpoint, as vLLM's (v0.10.1
 # ``CompletionRequest.max_tokens = 16``; ``ChatCompletionRequest.max_tokens = None``, which
@@ -136,6 +139,7 @@ class GenerateRequest:
     cache_salt: str | None = None  # vLLM's: shares the prefix cache only with the same salt
     echo: bool = False  # completions: each choice's text starts with its prompt
     echo_only: bool = False  # and ``max_tokens: 0``: it is only its prompt (vLLM's)
+    tools: ToolPlan | None = None  # a chat's tools and how its reply becomes calls
 
 
 # Prompts in one completion request at most, and choices (prompts x ``n``: each its own
@@ -226,6 +230,10 @@ def sampling_params(
             break
     top_k = _get(body, "top_k", "int", d["top_k"])
     n = _get(body, "n", "int", 1)
+    try:
+        structured = structured_outputs(body)
+    except SamplingParamsError as e:
+        raise bad_request(str(e), e.param) from None
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"'n' must be in [1, {MAX_CHOICES}], got {n}", "n")
     try:
@@ -256,6 +264,7 @@ def sampling_params(
             stop_token_ids=tuple(_int_list(body, "stop_token_ids") or ()),
             bad_words=_bad_words(body),
             truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", "int"),
+            structured_outputs=structured,
         )
     except (ValueError, TypeError) as e:  # SamplingParamsError names its field
         name = getattr(e, "param", None)
@@ -434,12 +443,30 @@ def _prompt(prompt: Any, where: str) -> Prompt:
     )
 
 
-def chat_request(body: Any, defaults: dict[str, Any] | None = None) -> GenerateRequest:
+def chat_request(
+    body: Any, defaults: dict[str, Any] | None = None, tool_call_parser: str = "hermes"
+) -> GenerateRequest:
     """``POST /v1/chat/completions``: ``messages`` of ``{"role", "content"}`` (text content,
     or a list of ``{"type": "text", "text"}`` parts)."""
     common = _common(body, ("max_completion_tokens", "max_tokens"), chat=True, defaults=defaults)
+    try:
+        plan = tool_plan(body, tool_call_parser)
+    except ToolError as e:
+        raise bad_request(str(e), e.param) from None
+    options = chat_options(body)
+    if plan is not None:
+        options = dataclasses.replace(options, tools=list(plan.tools))
+        so = plan.structured_outputs()
+        if so is not None:
+            if common["params"].structured_outputs is not None:
+                raise bad_request(
+                    f"'tool_choice'={body.get('tool_choice')!r} constrains the output itself: "
+                    "not with another structured output field",
+                    "tool_choice",
+                )
+            common["params"] = dataclasses.replace(common["params"], structured_outputs=so)
     return GenerateRequest(
-        messages=_messages(body.get("messages")), chat=chat_options(body), **common
+        messages=_messages(body.get("messages")), chat=options, tools=plan, **common
     )
 
 
@@ -640,7 +667,8 @@ def chat_response(
     """``choices``: each choice's ``{"text", "finish_reason", "logprobs"}``, in order."""
     messages = [
         {
-            "message": {"role": "assistant", "content": c["text"]},
+            "message": {"role": "assistant", "content": c["text"]}
+            | ({"tool_calls": c["tool_calls"]} if c.get("tool_calls") else {}),
             "finish_reason": c["finish_reason"],
             "logprobs": c["logprobs"],
         }

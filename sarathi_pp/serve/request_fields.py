@@ -47,7 +47,6 @@ def _refused(name: str, endpoints: tuple[str, ...], source: str, note: str, exam
     return RequestField(name, endpoints, source, False, note, {name: example}, no_op)
 
 
-_STRUCTURED = "structured output is not built yet"
 _MSG = [{"role": "user", "content": "hi"}]
 
 FIELDS: tuple[RequestField, ...] = (
@@ -111,38 +110,50 @@ FIELDS: tuple[RequestField, ...] = (
     _honoured("logprobs", (CHAT,), "openai", "", True),
     _honoured("top_logprobs", (CHAT,), "openai", "", 2, logprobs=True),
     _honoured("max_completion_tokens", (CHAT,), "openai", "max_tokens' newer name", 3),
-    _refused(
+    _honoured(
         "response_format",
         BOTH,
         "openai",
-        f"{_STRUCTURED} (type 'text' is accepted)",
-        {"type": "json_object"},
-        lambda v: isinstance(v, dict) and v.get("type") == "text",
+        "text, json_object, json_schema (json_schema.schema): a token mask from the "
+        "grammar engine (llguidance); a schema it cannot compile is a 400",
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
     ),  # fmt: skip
-    _refused(
+    _honoured(
         "tools",
         (CHAT,),
         "openai",
-        "no tool calling (a tool-call history is rendered)",
-        [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-        lambda v: v == [],
+        "functions handed to the chat template; calls per tool_choice (serve/tools.py)",
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     ),  # fmt: skip
-    _refused(
-        "tool_choice", (CHAT,), "openai", "no tool calling", "required", lambda v: v == "none"
+    _honoured(
+        "tool_choice",
+        (CHAT,),
+        "openai",
+        "none, auto (the hermes parser), required, a named function (both constrained)",
+        "none",
     ),  # fmt: skip
-    _refused(
+    _honoured(
         "parallel_tool_calls",
         (CHAT,),
         "openai",
-        "no tool calling; a bool asks for nothing without tools",
-        "yes",
-        lambda v: isinstance(v, bool),
+        "false: at most one call",
+        False,
     ),  # fmt: skip
     _refused(
-        "functions", (CHAT,), "openai", "no tool calling", [{"name": "f"}], lambda v: v == []
+        "functions",
+        (CHAT,),
+        "openai",
+        "the deprecated API: use tools",
+        [{"name": "f"}],
+        lambda v: v == [],
     ),  # fmt: skip
     _refused(
-        "function_call", (CHAT,), "openai", "no tool calling", "auto", lambda v: v == "none"
+        "function_call",
+        (CHAT,),
+        "openai",
+        "the deprecated API: use tool_choice",
+        "auto",
+        lambda v: v == "none",
     ),  # fmt: skip
     _refused("store", (CHAT,), "openai", "no stored completions", True, lambda v: v is False),
     _refused(
@@ -213,14 +224,37 @@ FIELDS: tuple[RequestField, ...] = (
         1,
         lambda v: v == 0 and not isinstance(v, bool),
     ),  # fmt: skip
-    _refused("guided_json", BOTH, "vllm", _STRUCTURED, {"type": "object"}),
-    _refused("guided_regex", BOTH, "vllm", _STRUCTURED, "[ab]+"),
-    _refused("guided_choice", BOTH, "vllm", _STRUCTURED, ["a", "b"]),
-    _refused("guided_grammar", BOTH, "vllm", _STRUCTURED, "root ::= 'a'"),
-    _refused("guided_decoding_backend", BOTH, "vllm", _STRUCTURED, "xgrammar"),
-    _refused("guided_whitespace_pattern", BOTH, "vllm", _STRUCTURED, " *"),
-    _refused("structural_tag", BOTH, "vllm", _STRUCTURED, "{}"),
-    _refused("structured_outputs", BOTH, "vllm", _STRUCTURED, {"regex": "[ab]+"}),
+    _honoured(
+        "guided_json", BOTH, "vllm", "structured_outputs.json's older name", {"type": "object"}
+    ),
+    _honoured("guided_regex", BOTH, "vllm", "structured_outputs.regex's older name", "[ab]+"),
+    _honoured(
+        "guided_choice", BOTH, "vllm", "structured_outputs.choice's older name", ["a", "b"]
+    ),  # fmt: skip
+    _honoured(
+        "guided_grammar",
+        BOTH,
+        "vllm",
+        "structured_outputs.grammar's older name (Lark or GBNF)",
+        'root ::= "a" | "b"',
+    ),  # fmt: skip
+    _refused(
+        "guided_decoding_backend",
+        BOTH,
+        "vllm",
+        "one grammar engine, llguidance ('auto', 'guidance', 'llguidance' accepted)",
+        "xgrammar",
+        lambda v: v in ("auto", "guidance", "llguidance"),
+    ),  # fmt: skip
+    _refused("guided_whitespace_pattern", BOTH, "vllm", "the schema's own whitespace", " *"),
+    _refused("structural_tag", BOTH, "vllm", "no structural tags", "{}"),
+    _honoured(
+        "structured_outputs",
+        BOTH,
+        "vllm",
+        "json, regex, choice, grammar, json_object; at most one structured output field",
+        {"regex": "[ab]+"},
+    ),  # fmt: skip
     _refused("logits_processors", BOTH, "vllm", "no request-defined logits processors", ["p"]),
     _refused(
         "return_tokens_as_token_ids", BOTH, "vllm", "token text only", True, lambda v: v is False

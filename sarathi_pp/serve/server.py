@@ -45,13 +45,14 @@ def build_server(
     api_key: str | None = None,
     log_level: str = "info",
     chat_template: str | None = None,
+    tool_call_parser: str = "hermes",
 ) -> uvicorn.Server:
     """The server for ``engine`` (an ``LLMEngine``) under ``served_model_name`` (one name
     or several, as vLLM's ``--served-model-name``: each is accepted as a request's
     ``model``, the first is the one responses carry); ``server.run()`` serves until a stop
     signal (or ``server.should_exit = True`` from another thread)."""
     engine_loop = EngineLoop(engine)
-    app = create_app(engine_loop, served_model_name, api_key, chat_template)
+    app = create_app(engine_loop, served_model_name, api_key, chat_template, tool_call_parser)
     config = uvicorn.Config(
         app,
         host=host,

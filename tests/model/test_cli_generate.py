@@ -188,6 +188,11 @@ def test_num_completions_and_logprobs(llama_dir, tmp_path, capsys):
             ["--truncate-prompt-tokens", "0"],
             "--truncate-prompt-tokens: truncate_prompt_tokens must be None, -1",
         ),
+        (
+            ["--structured-outputs", '{"regex": "(ab"}'],
+            "--structured-outputs: prompt 0: structured_outputs.regex '(ab' cannot be compiled",
+        ),
+        (["--structured-outputs", "[1]"], "--structured-outputs: must be a JSON object"),
     ],
 )
 def test_bad_sampling_flags_are_usage_errors(llama_dir, capsys, flags, says):

@@ -33,6 +33,7 @@ def test_serve_flags_and_defaults() -> None:
         ["serve", "--port", "9", "--api-key", "k", "--served-model-name", "n", "--set", "a.b=1"]
     )
     assert (args.port, args.api_key, args.served_model_name) == (9, "k", ["n"])
+    assert args.tool_call_parser == "hermes"  # vLLM's flag; tool_choice auto reads with it
 
 
 def test_vllm_flag_names_reach_the_config() -> None:
@@ -74,6 +75,7 @@ def test_vllm_flag_names_reach_the_config() -> None:
         (["m", "--model", "other"], ["given twice", "'m'", "'other'"]),
         (["m", "--max-num-batched-tokens", "512"], ["chunk_size=512", "'sarathi'"]),
         (["m", "-tp", "2"], ["tensor_parallel_size=2", "not"]),
+        (["m", "--tool-call-parser", "mistral"], ["unknown tool-call parser 'mistral'", "hermes"]),
     ],
 )
 def test_vllm_flags_we_cannot_honour_are_refused_by_name(argv, words, capsys) -> None:

@@ -96,8 +96,9 @@ def test_sampling_fields_and_defaults() -> None:
         {"logit_bias": {"1": 500}},
         {"logit_bias": {"1": "5"}},
         {"min_tokens": 20},
-        {"guided_json": {"type": "object"}},
-        {"response_format": {"type": "json_object"}},
+        {"guided_json": {"type": "nope"}},  # llguidance cannot compile it
+        {"response_format": {"type": "json"}},
+        {"guided_decoding_backend": "xgrammar"},
         {"stop_token_ids": [-1]},
         {"stop_token_ids": "5"},
     ],

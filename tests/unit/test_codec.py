@@ -24,7 +24,7 @@ from sarathi_pp.microbatch import (
     StageEvent,
     TokenLogprobs,
 )
-from sarathi_pp.sampling_params import SamplingParams
+from sarathi_pp.sampling_params import SamplingParams, StructuredOutputsParams
 from sarathi_pp.stage_memory import StageMemory
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
@@ -57,6 +57,19 @@ sampling_params = st.builds(
     bad_words=st.lists(st.text(min_size=1, max_size=8).filter(str.strip), max_size=2),
     truncate_prompt_tokens=st.one_of(st.none(), st.just(-1), st.integers(1, 4096)),
     bad_words_token_ids=st.lists(st.lists(IDS, min_size=1, max_size=3), max_size=2),
+    structured_outputs=st.one_of(
+        st.none(),
+        st.builds(StructuredOutputsParams, regex=st.text(min_size=1, max_size=8)),
+        st.builds(
+            StructuredOutputsParams,
+            json=st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
+            disable_any_whitespace=st.booleans(),
+        ),
+        st.builds(
+            StructuredOutputsParams, choice=st.lists(TEXT.filter(bool), min_size=1, max_size=3)
+        ),
+        st.builds(StructuredOutputsParams, json_object=st.just(True)),
+    ),
 )
 
 
@@ -191,6 +204,7 @@ def test_an_attention_report_travels_with_its_stage_event():
         PromptChunkLogprobs,
         MicroBatchResult,
         StageMemory,
+        StructuredOutputsParams,
     ],
 )
 def test_the_codec_sends_every_field(cls):
@@ -269,7 +283,7 @@ def _params(**fields) -> list:
                         [
                             *CHUNK[:5],
                             [1, 0.5, 1, 0, None, 0, [], [], False, None, False, 0.0, False, True]
-                            + [True, 0.0, 0.0, 1.0, 0, [], None, None, [], None, []],
+                            + [True, 0.0, 0.0, 1.0, 0, [], None, None, [], None, [], None],
                             0,
                             -1,
                             [],
@@ -284,11 +298,11 @@ def _params(**fields) -> list:
         ),
         (_packed(["stage_memory", 0, 1, 2, 3]), "expected the 5 fields of a StageMemory, got 4"),
         (
-            _packed(["microbatch_result", [[1]], [], [], None, [], []]),
+            _packed(["microbatch_result", [[1]], [], [], None, [], [], 0, 0.0]),
             "microbatch_result.sampled[0]: expected a [key, value] pair",
         ),
         (
-            _packed(["microbatch_result", [], [], [], 5, [], []]),
+            _packed(["microbatch_result", [], [], [], 5, [], [], 0, 0.0]),
             "microbatch_result.failure: expected str, got int",
         ),
         (
@@ -301,13 +315,25 @@ def _params(**fields) -> list:
                     None,
                     [[2, ["token_logprobs", -1.0, 1, [], []]]],
                     [],
+                    0,
+                    0.0,
                 ]
             ),
             "microbatch_result.logprobs[2]: expected the 4 fields of a TokenLogprobs",
         ),
         (
             _packed(
-                ["microbatch_result", [], [], [], None, [], [[2, [1, [[-1.0, 1, [], [], 0]]]]]]
+                [
+                    "microbatch_result",
+                    [],
+                    [],
+                    [],
+                    None,
+                    [],
+                    [[2, [1, [[-1.0, 1, [], [], 0]]]]],
+                    0,
+                    0.0,
+                ]
             ),
             "microbatch_result.prompt_logprobs[2].tokens[0]: expected the 4 fields of a TokenLogprobs",
         ),

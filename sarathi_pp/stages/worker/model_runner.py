@@ -16,41 +16,24 @@ from pathlib import Path
 
 import torch
 
-from sarathi_pp.microbatch import (
-    AttentionReport,
-    MicroBatch,
-    MicroBatchResult,
-    PromptChunkLogprobs,
-    TokenLogprobs,
-)
+from sarathi_pp.microbatch import AttentionReport, MicroBatch
 from sarathi_pp.model_spec import ModelSpec
 from sarathi_pp.placement import Placement
-from sarathi_pp.stage_memory import PROMPT_LOGITS_ROWS, StageMemory
+from sarathi_pp.stage_memory import StageMemory
 from sarathi_pp.stages.model.attention import TorchAttention, make_backend
 from sarathi_pp.stages.model.backend_choice import AttentionRecord, choose_backend
 from sarathi_pp.stages.model.kv_cache import KVCache
 from sarathi_pp.stages.model.llama import StageModel
 from sarathi_pp.stages.worker.cuda_graphs import DecodeGraphs, cuda_capture, graph_buckets
 from sarathi_pp.stages.worker.device import check_free_cuda_memory
+from sarathi_pp.stages.worker.last_stage import LastStageSampler
 from sarathi_pp.stages.worker.memory_probe import MemoryProbe, profiling_microbatch
-from sarathi_pp.stages.worker.metadata import build_inputs, sample_rows
-from sarathi_pp.stages.worker.penalties import PenaltyState, apply_penalties
-from sarathi_pp.stages.worker.sampler import (
-    INVALID_TOKEN,
-    logprobs,
-    processed_logits,
-    sample_on_device,
-    target_logprobs,
-    tokens_to_host,
-)
+from sarathi_pp.stages.worker.metadata import build_inputs
+from sarathi_pp.stages.worker.penalties import PenaltyState
+from sarathi_pp.stages.worker.structured import GrammarMasks
 from sarathi_pp.stages.worker.timing import StageClock, WallClock, stage_clock
 from sarathi_pp.stages.worker.upload import PinnedUpload, Upload
 
-# A row's logits are not all finite (a sampled token's, a prompt position's): its request fails.
-NON_FINITE = "the model produced non-finite logits"
-RULED_OUT = (
-    "every token was ruled out (allowed_token_ids, bad_words, min_tokens): nothing to sample"
-)
 # The largest decode batch with a CUDA graph (Note [decode graphs]); vLLM's default is 512.
 MAX_GRAPH_BATCH = 256
 logger = logging.getLogger(__name__)
@@ -106,7 +89,12 @@ class StageSpec:
 
 class ModelRunner:
     def __init__(
-        self, spec: ModelSpec, model_dir: str | Path, stage: StageSpec, max_model_len: int
+        self,
+        spec: ModelSpec,
+        model_dir: str | Path,
+        stage: StageSpec,
+        max_model_len: int,
+        tokenizer_dir: str | Path | None = None,
     ) -> None:
         self.spec = spec
         self.stage = stage
@@ -118,12 +106,13 @@ class ModelRunner:
         self.kv: KVCache | None = None
         self.backend = "torch"
         self.attention: AttentionRecord | None = None  # set with the KV cache
-        self.penalties = PenaltyState()  # the last stage's: penalized sequences' tokens
         self.graphs: DecodeGraphs | None = None  # model.enforce_eager false, on CUDA
         # Note [one upload per micro-batch] (upload.py); a test swaps in a counting one
         self.upload: Upload = PinnedUpload(self.device)
         # Note [compute spans from CUDA events] (timing.py); CUDA's made with the KV cache
         self.clock: StageClock = WallClock()
+        # the last stage's penalties and structured output (``last_stage.py``)
+        self.sampling = LastStageSampler(spec, self.device, tokenizer_dir or model_dir)
 
     # --- set-up, in two steps: weights first, then the KV cache sized from what is left ---
     def load_model(self) -> int:
@@ -245,7 +234,7 @@ class ModelRunner:
             peak = probe.peak() - base
         finally:
             self.kv, self.graphs = None, None
-            self.penalties = PenaltyState()
+            self.sampling.reset()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         waiting = (in_flight - 1) * rows * self.spec.hidden_size * self.dtype.itemsize
@@ -262,9 +251,17 @@ class ModelRunner:
         process on the same device, can have it."""
         self.model = None
         self.kv = None
-        self.penalties = PenaltyState()
+        self.sampling.reset()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    @property
+    def penalties(self) -> PenaltyState:
+        return self.sampling.penalties
+
+    @property
+    def grammar(self) -> GrammarMasks:
+        return self.sampling.grammar
 
     # --- one micro-batch -------------------------------------------------------------------
     @torch.inference_mode()
@@ -293,116 +290,13 @@ class ModelRunner:
                     f"[{microbatch.num_tokens}, {self.spec.hidden_size}], got {got}"
                 )
             inputs = hidden
+        prep = self.sampling.prepare(microbatch) if self.stage.is_last else None
         bucket = self.graphs.plan(microbatch) if self.graphs is not None else None
         if bucket is not None:  # Note [decode graphs]
             assert self.graphs is not None
             out = self.graphs.replay(bucket, inputs, meta)
         else:
             out = self.model.forward(inputs, meta, self.kv)
-        if not self.stage.is_last:
+        if prep is None:
             return out
-        return self._sample(microbatch, out, rows)
-
-    def _sample(
-        self, microbatch: MicroBatch, hidden: torch.Tensor, row_idx: torch.Tensor
-    ) -> MicroBatchResult:
-        """The last stage's result: each sampling sequence's token (and its log-probabilities
-        if asked for), or its failure (non-finite logits: that request fails alone)."""
-        assert self.model is not None
-        rows = sample_rows(microbatch)
-        result = MicroBatchResult()
-        self.penalties.release(microbatch)
-        self._prompt_logprobs(microbatch, hidden, result)
-        if not rows:
-            return result
-        chunks = [c for c in microbatch.chunks if c.do_sample]
-        logits = self.model.logits(hidden[row_idx])  # row_idx: ``rows`` on the device
-        # every chunk's (do_sample: sampling_params is not None); the filter narrows the type
-        params = [c.sampling_params for c in chunks if c.sampling_params is not None]
-        num_outputs = [c.num_output_tokens for c in chunks]
-        sampling_logits, kept, outputs = self._penalized(logits, chunks, result)
-        sampling_logits = processed_logits(  # penalized rows: a copy already, changed in place
-            sampling_logits,
-            params,
-            num_outputs,
-            self.spec.eos_token_ids,
-            in_place=sampling_logits is not logits,
-            outputs=outputs,
-        )
-        on_device = sample_on_device(sampling_logits, params, num_outputs)
-        if sampling_logits is not logits:  # a row whose every token its rules ruled out
-            lowest = torch.finfo(sampling_logits.dtype).min
-            ruled_out = (sampling_logits.amax(dim=-1) <= lowest).long()
-            # one copy to the host for both (Note [one upload per micro-batch])
-            tokens, ruled = tokens_to_host(torch.stack([on_device, ruled_out]))
-            for i in (i for i, r in enumerate(ruled) if r):
-                result.errors.setdefault(chunks[i].seq_id, RULED_OUT)
-        else:
-            tokens = tokens_to_host(on_device)
-        for i in kept:
-            self.penalties.sampled(chunks[i], tokens[i])
-        for i, lp in logprobs(logits, params, tokens).items():
-            result.logprobs[chunks[i].seq_id] = lp
-        for chunk, token in zip(chunks, tokens):
-            if chunk.seq_id in result.errors:
-                continue
-            if token == INVALID_TOKEN:
-                result.errors[chunk.seq_id] = NON_FINITE
-            else:
-                result.sampled[chunk.seq_id] = token
-        return result
-
-    def _prompt_logprobs(
-        self, microbatch: MicroBatch, hidden: torch.Tensor, result: MicroBatchResult
-    ) -> None:
-        """The prompt log-probabilities of every chunk that asks (``prompt_targets``), from
-        its rows' logits, ``PROMPT_LOGITS_ROWS`` rows at a time (a chunk's logits at once
-        would be ``chunk x vocab`` floats). Non-finite logits fail the request."""
-        assert self.model is not None
-        row = 0
-        for c in microbatch.chunks:
-            if not c.is_prefill:  # prefill chunks first: the rest are decodes
-                break
-            first_row, row = row, row + c.num_tokens
-            if not c.prompt_targets:
-                continue
-            parts: list[TokenLogprobs] = []
-            for lo in range(0, len(c.prompt_targets), PROMPT_LOGITS_ROWS):
-                targets = list(c.prompt_targets[lo : lo + PROMPT_LOGITS_ROWS])
-                at = first_row + lo
-                logits = self.model.logits(hidden[at : at + len(targets)])
-                part = target_logprobs(logits, targets, c.prompt_logprobs)
-                if part is None:
-                    result.errors[c.seq_id] = NON_FINITE
-                    break
-                parts.extend(part)
-            else:
-                result.prompt_logprobs[c.seq_id] = PromptChunkLogprobs(c.start + 1, tuple(parts))
-
-    def _penalized(
-        self, logits: torch.Tensor, chunks: list, result: MicroBatchResult
-    ) -> tuple[torch.Tensor, list[int], dict[int, list[int]]]:
-        """The logits to sample from (penalized where asked; ``stages/worker/penalties.py``), the
-        rows whose tokens the stage keeps (``SamplingParams.keeps_tokens``) and, for those
-        with bad words, their output tokens so far. A row whose tokens the stage lacks fails
-        its request."""
-        kept, rows, histories = [], [], []
-        outputs: dict[int, list[int]] = {}
-        for i, c in enumerate(chunks):
-            p = c.sampling_params
-            if not p.keeps_tokens:
-                continue
-            try:
-                tokens = self.penalties.before_sampling(c)
-            except ValueError as e:
-                result.errors[c.seq_id] = str(e)
-                continue
-            kept.append(i)
-            if p.bad_words_token_ids:
-                outputs[i] = tokens[len(tokens) - c.num_output_tokens :]
-            if p.has_penalties:
-                rows.append(i)
-                histories.append(tokens)
-        if not rows:
-            return logits, kept, outputs
-        return apply_penalties(logits, rows, histories, [chunks[i] for i in rows]), kept, outputs
+        return self.sampling.sample(self.model, microbatch, out, rows, prep)

@@ -74,7 +74,10 @@ class PipelineStage:
         self.stage = stage
         self.spec = checkpoint.spec
         self.faults = FaultInjector(parallel.inject_fault, stage.stage_idx)
-        self.runner = ModelRunner(checkpoint.spec, checkpoint.path, stage, checkpoint.max_model_len)
+        self.runner = ModelRunner(
+            checkpoint.spec, checkpoint.path, stage, checkpoint.max_model_len,
+            checkpoint.tokenizer_path,
+        )  # fmt: skip
         self.timeout_s = parallel.stage_timeout_s
         # A stage may run this many micro-batches ahead of the next one (Note in comm/p2p).
         self.max_pending_sends = parallel.microbatches_in_flight + 1 + int(stage.token_ring)
