@@ -319,6 +319,15 @@ class RayExecutor:
         with deferred_interrupts():
             return [a.run_packed.remote(packed) for a in self.actors]
 
+    def oldest_ready(self) -> bool:
+        """Whether every stage has the oldest micro-batch's result (``wait_oldest`` would
+        not wait): a router of replicas steps the one whose pipeline is done first."""
+        if not self._inflight:
+            return True
+        refs = self._inflight[0][1]
+        ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(ready) == len(refs)
+
     def wait_oldest(self) -> tuple[MicroBatch, MicroBatchResult]:
         microbatch, refs = self._inflight.popleft()
         result = self._collect(microbatch, refs)
