@@ -95,6 +95,7 @@ class ReplicatedEngine:
         self._where: dict[str, int] = {}  # request id (a parent's for n > 1) -> replica
         self._turn = 0  # the replica waited on last
         self.replicas_lost: list[int] = []
+        self.num_requests_moved = 0  # from lost replicas to live ones
         self._run_created = False
         self.dead_reason: str | None = None
 
@@ -264,6 +265,7 @@ class ReplicatedEngine:
             raise EngineDeadError(f"engine is dead: {self.dead_reason}")
         for handoff in released.requests:
             self._place(handoff)
+        self.num_requests_moved += len(released.requests)
 
     def _place(self, handoff: Any) -> None:
         loads = self._loads()
@@ -300,7 +302,7 @@ class ReplicatedEngine:
         return write_total(
             self._run.path, dirs, list(self._finished), summaries,
             routing=self.router.routing, prefix_affinity=self.router.affinity,
-            replicas_lost=list(self.replicas_lost),
+            replicas_lost=list(self.replicas_lost), num_requests_moved=self.num_requests_moved,
         )  # fmt: skip
 
     def shutdown(self) -> None:
