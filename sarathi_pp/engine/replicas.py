@@ -136,9 +136,11 @@ class ReplicatedEngine:
         return self.first.now()
 
     def add_observer(self, observer: Observer) -> None:
-        """Tell ``observer`` what every replica's loop does."""
-        for e in self.engines:
-            e.add_observer(observer)
+        """Tell ``observer`` what every replica's loop does (an observer with
+        ``for_replica(i)`` gives each replica the observer that returns)."""
+        per_replica = getattr(observer, "for_replica", None)
+        for i, e in enumerate(self.engines):
+            e.add_observer(per_replica(i) if per_replica is not None else observer)
 
     def set_scheduler(self, **overrides: Any) -> None:
         for i in self.router.live:

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from sarathi_pp.engine import LLMEngine
+from sarathi_pp.engine import LLMEngine, ReplicatedEngine
 from sarathi_pp.serve.bubble_window import BubbleWindow
 from sarathi_pp.serve.metrics import ServerMetrics
 
@@ -59,9 +59,11 @@ class EngineLoop:
         t0 = events.t0 if events is not None else engine.now()
         window = BubbleWindow(engine.config.parallel.pipeline_parallel_size, t0, engine.now)
         self.metrics.watch_bubbles(window)
-        # Observers of the loop: stage times and finished requests, and the bubble window.
+        # Observers of the loop: stage times and finished requests, and the bubble window
+        # (of replica 0's pipeline when there are several: its classes are per pipeline).
         engine.add_observer(self.metrics)
-        engine.add_observer(window)
+        first = engine.engines[0] if isinstance(engine, ReplicatedEngine) else engine
+        first.add_observer(window)
         self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], Future]] = queue.Queue()
         self._sinks: dict[str, Sink] = {}  # request id -> sink; engine thread only
         self._stop = threading.Event()
