@@ -108,7 +108,7 @@ class Router:
         if self.routing == "round_robin":
             choice = self.live[self._count % len(self.live)]
         else:
-            hashes = prefix_hashes(token_ids, self.block_size) if self.affinity else []
+            hashes = self._hashes(token_ids)
             cached = self._cached_tokens(hashes)
             choice = min(self.live, key=lambda i: (loads[i] - cached[i], -cached[i], i))
             self._remember(hashes, choice)
@@ -118,9 +118,12 @@ class Router:
     def cached_tokens(self, token_ids: Sequence[int]) -> dict[int, int]:
         """Per live replica: the longest block-aligned prefix of ``token_ids`` sent there
         (tokens), as the router remembers it."""
-        if not self.affinity:
-            return dict.fromkeys(self.live, 0)
-        return self._cached_tokens(prefix_hashes(token_ids, self.block_size))
+        return self._cached_tokens(self._hashes(token_ids))
+
+    def _hashes(self, token_ids: Sequence[int]) -> list[int]:
+        if self.block_size is None or self.routing != "least_loaded":  # no affinity
+            return []
+        return prefix_hashes(token_ids, self.block_size)
 
     def _cached_tokens(self, hashes: list[int]) -> dict[int, int]:
         cached = dict.fromkeys(self.live, 0)
