@@ -27,6 +27,17 @@ def replica_dir(run_dir: str | Path, replica_idx: int) -> Path:
     return Path(run_dir) / f"{REPLICA_PREFIX}{replica_idx}"
 
 
+def replica_dirs(run_dir: str | Path) -> list[Path]:
+    """The replicas' run dirs of a data-parallel run's dir, in replica order; ``[]`` for a
+    run dir of one pipeline (it has its own ``events.jsonl``) or anything else."""
+    d = Path(run_dir)
+    if not d.is_dir() or RunDir(d).events.exists():
+        return []
+    found = [p for p in d.glob(f"{REPLICA_PREFIX}*") if p.is_dir() and RunDir(p).events.exists()]
+    suffix = lambda p: p.name[len(REPLICA_PREFIX) :]  # noqa: E731
+    return sorted((p for p in found if suffix(p).isdigit()), key=lambda p: int(suffix(p)))
+
+
 def write_total(
     run_dir: Path,
     dirs: list[Path],

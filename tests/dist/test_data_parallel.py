@@ -46,7 +46,7 @@ def request_ids(run_dir) -> list[str]:
 
 
 def test_two_replicas_equal_one_and_record_each_and_the_total(
-    ray_cluster, llama_dir, reference, tmp_path
+    ray_cluster, llama_dir, reference, tmp_path, capsys
 ):
     run = tmp_path / "run"
     with LLM(str(llama_dir), data_parallel_size=2, run_dir=str(run), **BASE) as llm:
@@ -70,6 +70,11 @@ def test_two_replicas_equal_one_and_record_each_and_the_total(
     from sarathi_pp.cli import main
 
     assert main(["report", str(run / "replica-1"), "--no-plot", "--no-write"]) == 0
+    # The run's own dir stands for its replicas, compared side by side.
+    capsys.readouterr()
+    assert main(["report", str(run), "--no-plot", "--no-write"]) == 0
+    printed = capsys.readouterr().out
+    assert "replica-0" in printed and "replica-1" in printed
 
 
 def test_prefix_affinity_sends_a_shared_prefix_where_it_went(ray_cluster, llama_dir, tmp_path):
