@@ -69,6 +69,8 @@ class _Finished(Observer):
 
 
 class ReplicatedEngine:
+    dead_reason: str | None = None  # set once no replica is left (or at shutdown)
+
     def __init__(self, config: EngineConfig, executor: str | ExecutorFactory | None = None) -> None:
         n = config.parallel.data_parallel_size
         self.config = config
@@ -97,7 +99,6 @@ class ReplicatedEngine:
         self.replicas_lost: list[int] = []
         self.num_requests_moved = 0  # from lost replicas to live ones
         self._run_created = False
-        self.dead_reason: str | None = None
 
     # --- what every replica has alike (the first live one answers) ------------------
     @property
@@ -216,10 +217,11 @@ class ReplicatedEngine:
         for i in list(self.router.live):
             self._guarded(i, self.engines[i].issue, outputs)
         busy = [i for i in self.router.live if self.engines[i].num_inflight]
-        for i in self.router.live:
+        for i in list(self.router.live):
             e = self.engines[i]
             if i not in busy and (e.has_pending_outputs or e.has_unfinished_requests()):
                 outputs += self._guarded(i, e.step, outputs)
+        busy = [i for i in busy if i in self.router.live]
         if busy:
             i = self._next(busy)
             outputs += self._guarded(i, self.engines[i].step, outputs)
