@@ -223,7 +223,7 @@ class ReplicatedEngine:
                 outputs += self._guarded(i, e.step, outputs)
         busy = [i for i in busy if i in self.router.live]
         if busy:
-            i = self._next(busy)
+            i = self._turn = self._next(busy)
             outputs += self._guarded(i, self.engines[i].step, outputs)
         for out in outputs:
             if out.finished:
@@ -240,7 +240,6 @@ class ReplicatedEngine:
     def _guarded(self, i: int, fn: Any, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """``fn()`` of replica ``i`` (its step or issue); a replica that dies of it is
         taken out and its requests moved (the outputs of its aborts join ``outputs``)."""
-        self._turn = i
         try:
             return fn() or []
         except Exception:
