@@ -149,16 +149,22 @@ def _environ_defaults(defaults: dict[str, str]) -> Iterator[None]:
 
 
 def _cluster_resources(
-    ray: ModuleType, device: str, num_stages: int, timeout_s: float
+    ray: ModuleType, device: str, num_stages: int, timeout_s: float, num_replicas: int = 1
 ) -> Resources:
-    """The placement rule's view of the cluster: its GPU count, and one GPU's memory and
+    """The placement rule's view of the cluster: its GPU count (a replica's share of it:
+    ``data_parallel_size`` replicas each need their own), and one GPU's memory and
     bfloat16 support, probed on a GPU worker when this driver has none."""
     local = probe_resources()
-    gpus = int(ray.cluster_resources().get("GPU", 0))
+    gpus = int(ray.cluster_resources().get("GPU", 0)) // num_replicas
     if device != "cpu" and gpus >= num_stages and local.num_cuda_devices == 0:
         probe = ray.remote(num_gpus=1)(probe_resources).remote()
         local = ray.get(probe, timeout=timeout_s)
-    return dataclasses.replace(local, num_cuda_devices=gpus, description="the Ray cluster")
+    where = (
+        "the Ray cluster"
+        if num_replicas == 1
+        else (f"a replica's share of the Ray cluster (its GPUs // {num_replicas} replicas)")
+    )
+    return dataclasses.replace(local, num_cuda_devices=gpus, description=where)
 
 
 class RayExecutor:
@@ -185,8 +191,9 @@ class RayExecutor:
         self._kv_shape = (0, 0)
         try:
             resources = _cluster_resources(
-                ray, config.model.device, self.num_stages, self.timeout_s
-            )
+                ray, config.model.device, self.num_stages, self.timeout_s,
+                p.data_parallel_size,
+            )  # fmt: skip
             self.placement = resolve_placement(config, checkpoint.spec, resources)
             self.schedule_ahead = resolve_schedule_ahead(config, self.placement, resources)
             ranges = list(self.placement.layer_ranges)
