@@ -357,11 +357,11 @@ class LLMEngine(PipelineRecovery, ReplicaHandoff):
         except BaseException as e:
             self._on_step_failure(e)
 
-    def oldest_ready(self) -> bool:
-        """Whether ``step`` would find its oldest micro-batch done (no wait); true when the
-        executor cannot tell."""
+    def oldest_ready(self, timeout_s: float = 0.0) -> bool:
+        """Whether ``step`` would find its oldest micro-batch done, waiting at most
+        ``timeout_s`` for it; true when the executor cannot tell."""
         ready = getattr(self.executor, "oldest_ready", None)
-        return ready() if ready is not None else True
+        return ready(timeout_s) if ready is not None else True
 
     @property
     def has_pending_outputs(self) -> bool:

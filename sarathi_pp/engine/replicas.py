@@ -11,9 +11,9 @@ replicas. What they share: the router (``sarathi_pp/routing.py``), one sequence-
 does not depend on the replica) and the tokenizer's view (replica 0's input processor
 checks and renders every request once; the chosen replica queues it).
 
-Stepping: ``step`` first issues what every replica can issue, then waits on one replica,
-the first (in turn) whose oldest micro-batch is done, else the next in turn: the others'
-micro-batches run meanwhile on their own actors.
+Stepping: ``step`` first issues what every replica can issue, then steps the replica whose
+oldest micro-batch is done first (``_next``): the others' micro-batches run meanwhile on
+their own actors, and none waits on another's slower step.
 
 Failure: a replica whose stage is lost is recovered by its own engine (``engine/recovery.py``,
 ``parallel.max_stage_restarts``). One that dies for good is taken out: the router forgets
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,10 @@ from sarathi_pp.sampling_params import SamplingParams
 from sarathi_pp.scheduler.base import QueueFullError
 
 logger = logging.getLogger(__name__)
+
+# While no replica's oldest micro-batch is done, how long each is waited on before the next
+# is asked (seconds): bounds how late a finished replica is noticed, per other replica.
+POLL_S = 0.002
 
 
 def create_engine(
@@ -231,11 +236,23 @@ class ReplicatedEngine:
         return outputs
 
     def _next(self, busy: list[int]) -> int:
-        """The replica to wait on: the first after the last one waited on whose oldest
-        micro-batch is done, else simply the next in turn."""
+        """The replica to step: the first, in turn after the last one stepped, whose oldest
+        micro-batch is done. While none is, each is asked in turn to wait a little for its
+        own (``POLL_S``), so the first to finish is stepped first and issues its next
+        micro-batch while the others compute; after ``stage_timeout_s`` of that, the next in
+        turn (its own wait then reports a stage that hangs)."""
         order = sorted(busy, key=lambda i: (i <= self._turn, i))
-        choice = next((i for i in order if self.engines[i].oldest_ready()), order[0])
-        return choice
+        if len(order) == 1:
+            return order[0]
+        deadline = time.monotonic() + self.config.parallel.stage_timeout_s
+        timeout_s = 0.0
+        while True:
+            for i in order:
+                if self.engines[i].oldest_ready(timeout_s):
+                    return i
+            if time.monotonic() > deadline:
+                return order[0]
+            timeout_s = POLL_S
 
     def _guarded(self, i: int, fn: Any, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """``fn()`` of replica ``i`` (its step or issue); a replica that dies of it is

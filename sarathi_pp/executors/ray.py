@@ -326,13 +326,14 @@ class RayExecutor:
         with deferred_interrupts():
             return [a.run_packed.remote(packed) for a in self.actors]
 
-    def oldest_ready(self) -> bool:
+    def oldest_ready(self, timeout_s: float = 0.0) -> bool:
         """Whether every stage has the oldest micro-batch's result (``wait_oldest`` would
-        not wait): a router of replicas steps the one whose pipeline is done first."""
+        not wait), waiting at most ``timeout_s`` for it: a router of replicas steps the one
+        whose pipeline is done first."""
         if not self._inflight:
             return True
         refs = self._inflight[0][1]
-        ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0)
+        ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         return len(ready) == len(refs)
 
     def wait_oldest(self) -> tuple[MicroBatch, MicroBatchResult]:
