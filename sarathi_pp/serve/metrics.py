@@ -100,6 +100,10 @@ class ServerMetrics(Observer):
         """Export the pipeline's bubbles over the last minute, computed at each scrape."""
         self.registry.register(BubbleCollector(window))
 
+    def watch_replica_bubbles(self, windows: list[BubbleWindow]) -> None:
+        """Export each replica's pipeline's bubbles by a ``replica`` label."""
+        self.registry.register(BubbleCollector(windows, prefix="sarathi_pp_replica"))
+
     def finished(self, out: RequestOutput) -> None:
         """One finished engine request's ``RequestOutput`` (each completion of ``n > 1`` is
         its own engine request, as vLLM counts them)."""

@@ -38,6 +38,10 @@ def test_health_and_metrics_per_replica_and_a_lost_one(ray_cluster, llama_dir):
         assert (
             _metric(text, 'sarathi_pp_replica_stage_busy_seconds_total{replica="1",stage="0"}') > 0
         )
+        # each replica's pipeline has its bubble window (the last minute's fractions)
+        for i in (0, 1):
+            busy = f'sarathi_pp_replica_stage_busy_fraction{{replica="{i}",stage="0"}}'
+            assert _metric(text, busy) > 0
 
         # Replica 1's stage dies (no restart allowed): its requests finish on replica 0.
         ray_cluster.kill(engine.engines[1].executor.actors[0])
