@@ -117,3 +117,9 @@ def test_a_replica_lost_for_good_hands_its_requests_to_the_other(
         assert [o.outputs[0].token_ids for o in again] == reference[:1] * 2
     total = json.loads((run / "summary.json").read_text())
     assert total["replicas_lost"] == [1] and total["requests"]["num_requests"] == 18
+
+
+def test_two_replicas_on_the_compiled_graph_executor(ray_cluster, llama_dir, reference):
+    with LLM(str(llama_dir), data_parallel_size=2, executor="ray_compiled", **BASE) as llm:
+        outs = llm.generate(prompts() * 2, mixed_params(16), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference
