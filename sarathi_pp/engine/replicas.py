@@ -104,6 +104,7 @@ class ReplicatedEngine:
         self.replicas_lost: list[int] = []
         self.num_requests_moved = 0  # from lost replicas to live ones
         self._run_created = False
+        self._recording = list(range(n))  # the replicas that record into this run dir
 
     # --- what every replica has alike (the first live one answers) ------------------
     @property
@@ -151,7 +152,7 @@ class ReplicatedEngine:
     def set_scheduler(self, **overrides: Any) -> None:
         for i in self.router.live:
             self.engines[i].set_scheduler(**overrides)
-        self.config = self.first.config
+        self.config = self.config.replace(**{f"scheduler.{k}": v for k, v in overrides.items()})
 
     # --- requests --------------------------------------------------------------------
     def add_requests(self, requests: Iterable[RequestInput]) -> list[ProcessedRequest]:
@@ -306,11 +307,12 @@ class ReplicatedEngine:
         for i in self.router.live:
             self.engines[i].start_run(replica_dir(run.path, i), overwrite)
         self._run, self._overwrite, self._run_created = run, overwrite, False
+        self._recording = list(self.router.live)  # a replica lost before has no part in it
         self._finished.clear()
 
     def write_run_records(self) -> dict[str, Any] | None:
         """Every replica's records, then the total in the run dir (``None`` without one)."""
-        summaries = [e.write_run_records() for e in self.engines]
+        summaries = [self.engines[i].write_run_records() for i in self._recording]
         if self._run is None:
             return None
         if not self._run_created:
@@ -318,7 +320,7 @@ class ReplicatedEngine:
             if self._overwrite:
                 self._run.clear()
             self._run_created = True
-        dirs = [replica_dir(self._run.path, i) for i in range(self.num_replicas)]
+        dirs = [replica_dir(self._run.path, i) for i in self._recording]
         return write_total(
             self._run.path, dirs, list(self._finished), summaries,
             routing=self.router.routing, prefix_affinity=self.router.affinity,

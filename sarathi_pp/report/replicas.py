@@ -58,7 +58,8 @@ def write_total(
                 load_log(RunDir(d).events), load_requests(RunDir(d).requests)
             )
             times += got or []
-    parts = [(i, s) for i, s in enumerate(summaries) if s is not None]
+    ids = [int(d.name[len(REPLICA_PREFIX) :]) for d in dirs]  # replica-<i>: i
+    parts = [(i, s) for i, s in zip(ids, summaries, strict=True) if s is not None]
     if not parts:
         raise RuntimeError(f"no replica of {run_dir} wrote its records")
     first = parts[0][1]

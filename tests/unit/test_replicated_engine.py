@@ -12,9 +12,10 @@ import pytest
 import sim_runs
 
 from sarathi_pp.config import make_config
-from sarathi_pp.engine import EngineDeadError, ReplicatedEngine
+from sarathi_pp.engine import EngineDeadError, ReplicatedEngine, llm_engine
 from sarathi_pp.executors import StageError
 from sarathi_pp.placement import Placement
+from sarathi_pp.report import write_report
 from sarathi_pp.sampling_params import SamplingParams
 from sarathi_pp.sim.clock import SimClock
 from sarathi_pp.sim.cost_model import ScriptedCostModel
@@ -84,7 +85,9 @@ def test_requests_go_to_the_replica_with_fewest_pending_tokens(model_dir):
     engine.shutdown()
 
 
-def test_a_dead_replica_hands_its_requests_over_and_the_last_one_ends_the_engine(model_dir):
+def test_a_dead_replica_hands_its_requests_over_and_the_last_one_ends_the_engine(
+    model_dir, tmp_path, monkeypatch
+):
     engine = replicated(model_dir, failing={1: 2})
     for i in range(6):
         engine.add_request(str(i), None, PARAMS, prompt_token_ids=[5 + i] * (10 + 5 * i))
@@ -95,6 +98,17 @@ def test_a_dead_replica_hands_its_requests_over_and_the_last_one_ends_the_engine
     assert all(len(o.outputs[0].token_ids) == 6 for o in done.values())
     assert engine.replicas_lost == [1] and engine.num_requests_moved > 0
     assert engine.num_live == 1 and engine.is_alive()
+    # A run dir started after the loss has the live replica's records only. (No timeline
+    # plot: the simulated stages' times are on their own clocks, not the engines'.)
+    monkeypatch.setattr(llm_engine, "write_report", lambda d: write_report(d, plot=False))
+    engine.start_run(tmp_path / "after")
+    engine.add_request("late", None, PARAMS, prompt_token_ids=[4] * 12)
+    assert engine._where == {"late": 0}
+    run_all(engine)
+    total = engine.write_run_records()
+    assert total is not None and total["replica_dirs"] == ["replica-0"]
+    assert [s["replica"] for s in total["stages"]] == [0] and total["replicas_lost"] == [1]
+    assert total["requests"]["num_requests"] == 1
     engine.shutdown()
 
     lone = replicated(model_dir, failing={0: 0, 1: 0})
