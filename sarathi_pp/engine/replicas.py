@@ -161,12 +161,14 @@ class ReplicatedEngine:
         self._check_alive()
         processed = self.first.process_requests(requests, in_use=self._where.__contains__)
         added: list[str] = []
+        loads = self._loads()  # once per call, then each request's own added: O(requests)
         try:
             for req in processed:
-                i = self.router.route(req.token_ids, self._loads())
+                i = self.router.route(req.token_ids, loads)
                 self.engines[i].queue_requests([req])
                 self._where[req.request_id] = i
                 added.append(req.request_id)
+                loads[i] += self._request_tokens(req)
         except BaseException:
             for request_id in added:
                 self.abort(request_id)
@@ -187,6 +189,12 @@ class ReplicatedEngine:
         elif not isinstance(prompt, str):
             raise TypeError(f"request {request_id!r}: prompt must be a string, got {prompt!r}")
         self.add_requests([RequestInput(request_id, params, given, arrival_time=arrival_time)])
+
+    def _request_tokens(self, req: ProcessedRequest) -> int:
+        """A new request's pending tokens (``pending_tokens`` of its ``n`` sequences)."""
+        p, num_prompt = req.params, len(req.token_ids)
+        outputs = p.max_tokens if p.max_tokens is not None else self.max_model_len - num_prompt
+        return p.n * (num_prompt + max(0, outputs))
 
     def _loads(self) -> list[int]:
         """Every replica's pending tokens (a removed one's do not matter)."""

@@ -105,10 +105,14 @@ class SimCluster:
         return [self._done[r.request_id] for r in requests]
 
     def _route(self, token_ids: list[int]) -> int:
-        loads = [
-            pending_tokens([*e.scheduler.waiting, *e.scheduler.running], e.max_model_len)
-            for e in self.engines
-        ]
+        if len(self.engines) == 1:
+            return 0
+        loads = [0] * len(self.engines)  # round_robin reads none
+        if self.router.routing == "least_loaded":
+            loads = [
+                pending_tokens([*e.scheduler.waiting, *e.scheduler.running], e.max_model_len)
+                for e in self.engines
+            ]
         return self.router.route(token_ids, loads)
 
     def _advance(self, i: int, t: float) -> None:

@@ -13,6 +13,7 @@ import sim_runs
 
 from sarathi_pp.config import make_config
 from sarathi_pp.engine import EngineDeadError, ReplicatedEngine, llm_engine
+from sarathi_pp.engine.input_processor import RequestInput
 from sarathi_pp.executors import StageError
 from sarathi_pp.placement import Placement
 from sarathi_pp.report import write_report
@@ -82,6 +83,13 @@ def test_requests_go_to_the_replica_with_fewest_pending_tokens(model_dir):
     done = run_all(engine)
     assert sorted(done) == ["long", "short", "third"] and engine._where == {}
     assert all(len(o.outputs[0].token_ids) == 6 for o in done.values())
+    # One call of several: each request's load counts for the next ones of the call.
+    given = [("a", 200), ("b", 20), ("c", 20), ("d", 170)]
+    engine.add_requests(
+        [RequestInput(rid, PARAMS, {"prompt_token_ids": [7] * n}) for rid, n in given]
+    )
+    assert engine._where == {"a": 0, "b": 1, "c": 1, "d": 1}  # 206 | 26, 52, 228 > 206
+    run_all(engine)
     engine.shutdown()
 
 
