@@ -25,6 +25,8 @@ ATTENTION_BACKEND_NAMES = ("auto", "torch", "cpu_paged", "flex_paged", "flash_at
 EXECUTORS = ("auto", "uniproc", "ray", "ray_compiled", "torchrun")
 # Executors that pass sampled tokens from the last stage to stage 0 (``schedule_ahead``).
 RING_EXECUTORS = ("uniproc", "ray")
+# Executors that can run several replicas of the pipeline side by side (``data_parallel_size``).
+REPLICA_EXECUTORS = ("ray", "ray_compiled")
 # The scheduler policies (``scheduler/registry.py`` maps each to its class).
 SCHEDULER_POLICIES = ("sarathi", "vllm", "orca", "simple_chunking")
 # The policies that run whole prompts (``chunk_size`` unused); the others split prompts by it.
@@ -241,6 +243,13 @@ class SchedulerConfig:
 class ParallelConfig:
     pipeline_parallel_size: int = 1
     """Number of pipeline stages."""
+    data_parallel_size: int = 1
+    """Copies of the pipeline (vLLM's name), each its own executor, stage actors and KV
+    cache, behind one router (``sarathi_pp/routing.py``: least pending tokens, with prefix
+    affinity when ``cache.enable_prefix_caching`` is on). More than 1 needs Ray (``ray`` or
+    ``ray_compiled``; ``auto`` picks ``ray``): each replica's stages are placed by a
+    placement group of their own, packed on one node where they fit. With a run dir each
+    replica records into ``<run_dir>/replica-<i>/`` and the run dir gets the total."""
     tensor_parallel_size: int = 1
     """Accepted as in vLLM; only 1 (no tensor parallelism: split a model over pipeline
     stages instead)."""
@@ -258,7 +267,8 @@ class ParallelConfig:
     """``uniproc`` (one process), ``ray`` (one actor per stage, a Ray task per stage per
     micro-batch, hidden states over torch.distributed), ``ray_compiled`` (the same actors
     driven by one Ray Compiled Graph: hidden states over its channels) or ``torchrun`` (set
-    by the torchrun launcher); ``auto`` = ``uniproc`` for one stage, else ``ray``."""
+    by the torchrun launcher); ``auto`` = ``uniproc`` for one stage and one replica, else
+    ``ray``."""
     num_threads_per_stage: int | None = None
     """CPU threads of each stage process; ``None`` = max(1, usable cores // stages)."""
     stage_timeout_s: float = 300.0
@@ -281,6 +291,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        _check_int("data_parallel_size", self.data_parallel_size, 1)
         if self.tensor_parallel_size != 1 or isinstance(self.tensor_parallel_size, bool):
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size!r}: tensor parallelism is not "
@@ -302,6 +313,17 @@ class ParallelConfig:
             parse_faults(self.inject_fault)
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if self.data_parallel_size > 1 and self.executor_name not in REPLICA_EXECUTORS:
+            raise ValueError(
+                f"data_parallel_size={self.data_parallel_size} needs a Ray executor "
+                f"({', '.join(REPLICA_EXECUTORS)}), not executor={self.executor!r}: each "
+                f"replica is its own set of stage actors"
+                + (
+                    " (torchrun runs one pipeline per launch)"
+                    if self.executor == "torchrun"
+                    else ""
+                )
+            )
         if not (isinstance(self.schedule_ahead, bool) or self.schedule_ahead == "auto"):
             raise ValueError(
                 f"schedule_ahead must be true, false or auto, got {self.schedule_ahead!r}"
@@ -333,7 +355,9 @@ class ParallelConfig:
     def executor_name(self) -> str:
         if self.executor != "auto":
             return self.executor
-        return "uniproc" if self.pipeline_parallel_size == 1 else "ray"
+        if self.pipeline_parallel_size == 1 and self.data_parallel_size == 1:
+            return "uniproc"
+        return "ray"
 
     @property
     def microbatches_in_flight(self) -> int:
@@ -424,6 +448,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_waiting": ("scheduler", "max_waiting"),
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
+    "data_parallel_size": ("parallel", "data_parallel_size"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "num_microbatches_in_flight": ("parallel", "num_microbatches_in_flight"),
     "num_decode_microbatches_in_flight": ("parallel", "num_decode_microbatches_in_flight"),

@@ -12,6 +12,7 @@ from sarathi_pp.config import EngineConfig, make_config
 from sarathi_pp.config_file import load_config
 from sarathi_pp.engine import LLMEngine
 from sarathi_pp.engine.input_processor import ChatOptions, Prompt, RequestInput
+from sarathi_pp.engine.replicas import ReplicatedEngine, create_engine
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.sampling_params import SamplingParams
 
@@ -29,7 +30,8 @@ class LLM:
         elif model is not None or kwargs:
             config = config.replace(**({"model": model} if model else {}), **kwargs)
         self.config: EngineConfig = config
-        self.engine = LLMEngine(config)
+        # One engine, or data_parallel_size of them behind a router, alike to this API.
+        self.engine: LLMEngine | ReplicatedEngine = create_engine(config)
         self._request_counter = 0
 
     @classmethod
@@ -204,10 +206,7 @@ class LLM:
                     bar.update(1)
                     if on_finished is not None:
                         on_finished(i, out)
-            # Scheduled ahead, a decode of a request that has since stopped may still be
-            # in flight: the engine is left idle (its blocks freed, set_scheduler allowed).
-            while self.engine.num_inflight and not self.engine.scheduler.has_unfinished():
-                self.engine.step()
+            self.engine.settle()  # nothing left in flight: the engine is idle
         finally:
             bar.close()
         return [done[i] for i in range(len(request_ids))]

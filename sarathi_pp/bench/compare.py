@@ -64,12 +64,20 @@ def engine_run_entry(name: str, run_dir: str, summary: dict[str, Any]) -> dict[s
         "run_dir": run_dir,
         "overall": summary["overall"],
         "stages": [s["bubble_fraction"] for s in summary["stages"]],
+        # a data-parallel run's total lists every replica's stages in turn
+        "stage_names": [_stage_name(i, s) for i, s in enumerate(summary["stages"])],
         "requests": summary["requests"],
         "chunk_size": summary.get("chunk_size"),
         "latency_comparable": True,
         "note": "",
         "capacity": None,
     }
+
+
+def _stage_name(i: int, stage: dict[str, Any]) -> str:
+    """A stage's row name; a data-parallel run's total lists every replica's stages in turn."""
+    name = f"stage {stage.get('stage', i)}"
+    return f"replica {stage['replica']} {name}" if "replica" in stage else name
 
 
 def peer_run_entry(
@@ -158,11 +166,12 @@ def format_table(comparison: dict[str, Any]) -> str:
         lines.append(row("chunk_size", [_chunk_cell(r.get("chunk_size")) for r in runs]))
     lines.append(row("bubble fraction", [_bubble(r["overall"]) for r in runs]))
     num_stages = max((len(r["stages"]) for r in runs if r["stages"]), default=0)
+    names = max((r.get("stage_names") or [] for r in runs), key=len, default=[])
     for i in range(num_stages):
         cells = [
             f"{r['stages'][i]:.3f}" if r["stages"] and i < len(r["stages"]) else "-" for r in runs
         ]
-        lines.append(row(f"  stage {i}", cells))
+        lines.append(row(f"  {names[i] if i < len(names) else f'stage {i}'}", cells))
     if any(not r["latency_comparable"] for r in runs):
         lines.append("n/c: not comparable (the peer could not replay the arrival times)")
     for r in runs:

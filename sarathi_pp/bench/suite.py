@@ -127,12 +127,12 @@ class Bench:
         """Check the peers can run, load the stages and build and check every request: a
         missing peer venv or a bad workload raises here, before any request runs."""
         from sarathi_pp.bench.peers import check_peer
-        from sarathi_pp.engine import LLMEngine
+        from sarathi_pp.engine import create_engine
 
         for peer in self.options.peers:
             check_peer(peer)
 
-        self.engine = LLMEngine(self.config)
+        self.engine = create_engine(self.config)
         try:
             self.requests = self._requests(self.engine, self.workload)
         except BaseException:

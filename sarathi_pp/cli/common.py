@@ -30,6 +30,7 @@ OVERRIDE_FLAGS: dict[str, str] = {
     "chunk_size": "chunk_size",
     "pipeline_parallel_size": "pipeline_parallel_size",
     "tensor_parallel_size": "tensor_parallel_size",
+    "data_parallel_size": "data_parallel_size",
     "seed": "seed",
     "dtype": "dtype",
     "max_model_len": "max_model_len",
@@ -81,6 +82,13 @@ def add_engine_args(parser: argparse.ArgumentParser, run_dirs: str | None = None
         type=int,
         metavar="N",
         help="parallel.pipeline_parallel_size",
+    )
+    g.add_argument(
+        "-dp",
+        "--data-parallel-size",
+        type=int,
+        metavar="N",
+        help="parallel.data_parallel_size: copies of the pipeline behind one router (Ray)",
     )
     g.add_argument(
         "-tp",

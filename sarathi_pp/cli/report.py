@@ -2,6 +2,9 @@
 its table; with two or more runs, print them side by side with ratios (the first run
 against each other one). Runs are named by their dir name.
 
+A data-parallel run's dir stands for its replicas' run dirs (``replica-<i>/``), compared
+side by side.
+
 A missing or invalid run dir, ``events.jsonl`` or ``requests.csv`` is a usage error (exit 2).
 """
 
@@ -44,10 +47,23 @@ def run_names(run_dirs: list[str]) -> list[str]:
     return [d if names.count(n) > 1 else n for n, d in zip(names, run_dirs, strict=True)]
 
 
+def with_replicas(run_dirs: list[str]) -> list[str]:
+    """``run_dirs`` with a data-parallel run's dir (no ``events.jsonl`` of its own: the
+    total's ``summary.json`` and ``requests.csv`` beside ``replica-<i>/``) given as its
+    replicas' run dirs, each read and compared as any run."""
+    from sarathi_pp.report.replicas import replica_dirs
+
+    out: list[str] = []
+    for d in run_dirs:
+        out += [str(r) for r in replica_dirs(d)] or [d]
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from sarathi_pp.report.text import format_comparison, format_run
     from sarathi_pp.report.writer import analyze_run, write_files
 
+    args.run_dirs = with_replicas(args.run_dirs)
     if args.interval is not None:
         return run_interval(args)
     with user_errors():

@@ -76,7 +76,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM (a graceful stop: exit 0)."""
-    from sarathi_pp.engine import LLMEngine
+    from sarathi_pp.engine import create_engine
     from sarathi_pp.serve.server import build_server
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
         tool_parser(args.tool_call_parser)  # an unknown name: an error listing the valid ones
         config = config_from_args(args)
-        engine = LLMEngine(config)
+        engine = create_engine(config)
     names = args.served_model_name or [args.model or config.model.path]
     server = build_server(
         engine, names, args.host, args.port, api_key, args.log_level, chat_template,

@@ -27,6 +27,7 @@ from sarathi_pp.cli.bench_args import (
     workload_from_args,
 )
 from sarathi_pp.cli.common import add_engine_args, config_from_args, user_errors
+from sarathi_pp.routing import ROUTINGS
 
 
 def add_parser(subparsers: Any) -> None:
@@ -49,7 +50,12 @@ def add_parser(subparsers: Any) -> None:
         "--pp", type=int, metavar="P", help="pipeline stages (= --pipeline-parallel-size)"
     )
     g.add_argument("--replicas", type=int, default=1, metavar="R", help="copies of the pipeline")
-    g.add_argument("--routing", default="round_robin", choices=("round_robin", "least_loaded"))
+    g.add_argument(
+        "--routing",
+        default="round_robin",
+        choices=ROUTINGS,
+        help="the runtime's router (sarathi_pp/routing.py): least_loaded = fewest pending tokens",
+    )
     g.add_argument(
         "--pp-link", default="network", choices=("network", "nvlink"),
         help="what carries the pipeline sends (default network: a stage per node)",

@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from sarathi_pp.config import (
     EngineConfig,
     SchedulerConfig,
 )
+from sarathi_pp.engine.handoff import ReplicaHandoff
 from sarathi_pp.engine.input_processor import InputProcessor, ProcessedRequest, RequestInput
 from sarathi_pp.engine.output_processor import OutputProcessor
 from sarathi_pp.engine.parallel_sampling import ParentRequest
@@ -53,18 +54,21 @@ logger = logging.getLogger(__name__)
 ExecutorFactory = Callable[[EngineConfig, Any], Executor]
 
 
-class LLMEngine(PipelineRecovery):
+class LLMEngine(PipelineRecovery, ReplicaHandoff):
     def __init__(
         self,
         config: EngineConfig,
         executor: str | ExecutorFactory | None = None,
         clock: Callable[[], float] = time.monotonic,
         observers: Iterable[Observer] = (),
+        seq_ids: Iterator[int] | None = None,
     ) -> None:
         """``executor``: a registry name (default: the config's) or a factory;
         ``clock``: the engine's time (``time.monotonic``; the simulator's virtual clock);
         ``observers``: told what the loop does (``records/observer.py``), after the run
-        dir's recorder."""
+        dir's recorder; ``seq_ids``: where sequence ids come from (replicas share one
+        counter, so ids are unique over them and a request's seed derived from
+        ``model.seed`` is its order of arrival at the router, whichever replica runs it)."""
         self._clock = clock
         run_dir = None
         if config.run.run_dir is not None:  # refuse a used run dir before any work
@@ -86,7 +90,7 @@ class LLMEngine(PipelineRecovery):
             raise
         self._inflight: deque[MicroBatch] = deque()
         self._aborted: list[RequestOutput] = []  # final outputs of aborts, for the next step
-        self._seq_ids = itertools.count()
+        self._seq_ids = seq_ids if seq_ids is not None else itertools.count()
         if config.model.path in RANDOM_WEIGHT_MODELS:
             logger.warning(
                 "note: %s has random weights, so its text means nothing (a real model: --model %s)",
@@ -230,16 +234,30 @@ class LLMEngine(PipelineRecovery):
         (``QueueFullError``) takes back those added. A request of ``n > 1`` completions is a
         parent of ``n`` engine requests whose outputs ``step`` hands out merged
         (``engine/parallel_sampling.py``). Returns what was queued, in order."""
+        processed = self.process_requests(requests)
+        self.queue_requests(processed)
+        return processed
+
+    def process_requests(
+        self, requests: Iterable[RequestInput], in_use: Callable[[str], bool] | None = None
+    ) -> list[ProcessedRequest]:
+        """``add_requests``' checks and processing, queuing nothing: ``TypeError`` or
+        ``ValueError`` for a bad request or an id in use (here, or where ``in_use`` says)."""
         self._check_alive()
         requests = list(requests)
         ids = [r.request_id for r in requests]
         for request_id in ids:
             if not isinstance(request_id, str):
                 raise TypeError(f"request ids are strings, got {request_id!r}")
-            if ids.count(request_id) > 1 or self._in_use(request_id):
+            taken = self._in_use(request_id) or (in_use is not None and in_use(request_id))
+            if ids.count(request_id) > 1 or taken:
                 raise ValueError(f"request id {request_id!r} is already in use")
         now = self.now()
-        processed = [self.inputs.process(r, self.validate_prompt, now) for r in requests]
+        return [self.inputs.process(r, self.validate_prompt, now) for r in requests]
+
+    def queue_requests(self, processed: Iterable[ProcessedRequest]) -> None:
+        """Queue requests ``process_requests`` gave, all or none (``add_requests``)."""
+        self._check_alive()
         added: list[str] = []
         try:
             for req in processed:
@@ -257,7 +275,6 @@ class LLMEngine(PipelineRecovery):
             for request_id in added:  # nothing of the call outlives its failure
                 self.abort(request_id)
             raise
-        return processed
 
     def add_request(
         self,
@@ -341,6 +358,34 @@ class LLMEngine(PipelineRecovery):
         if not self.has_unfinished_requests():  # idle for want of work until the next request
             self.observe.idle(self.now(), IDLE_NO_WORK)
         return _latest_per_parent(self._take_aborted() + outputs)
+
+    def issue(self) -> None:
+        """Issue what can be issued now, without waiting (``step`` does it too): a router
+        of replicas issues on every replica before it waits on one. A failure is handled
+        as in ``step`` (re-raised unless a lost stage was replaced)."""
+        self._check_alive()
+        try:
+            self._issue()
+        except BaseException as e:
+            self._on_step_failure(e)
+
+    def oldest_ready(self, timeout_s: float = 0.0) -> bool:
+        """Whether ``step`` would find its oldest micro-batch done, waiting at most
+        ``timeout_s`` for it; true when the executor cannot tell."""
+        ready = getattr(self.executor, "oldest_ready", None)
+        return ready(timeout_s) if ready is not None else True
+
+    @property
+    def has_pending_outputs(self) -> bool:
+        """Outputs the next ``step`` hands out without running anything (aborts)."""
+        return bool(self._aborted)
+
+    def settle(self) -> None:
+        """Step while micro-batches are in flight and no request waits: scheduled ahead, a
+        decode of a request that has since stopped may still be in flight; after this the
+        engine is idle (its blocks freed, ``set_scheduler`` allowed)."""
+        while self.num_inflight and not self.scheduler.has_unfinished():
+            self.step()
 
     def _inflight_limit(self, now: float) -> int:
         """Micro-batches that may be in flight now: ``max_inflight``, or fewer while only

@@ -150,16 +150,22 @@ def _environ_defaults(defaults: dict[str, str]) -> Iterator[None]:
 
 
 def _cluster_resources(
-    ray: ModuleType, device: str, num_stages: int, timeout_s: float
+    ray: ModuleType, device: str, num_stages: int, timeout_s: float, num_replicas: int = 1
 ) -> Resources:
-    """The placement rule's view of the cluster: its GPU count, and one GPU's memory and
+    """The placement rule's view of the cluster: its GPU count (a replica's share of it:
+    ``data_parallel_size`` replicas each need their own), and one GPU's memory and
     bfloat16 support, probed on a GPU worker when this driver has none."""
     local = probe_resources()
-    gpus = int(ray.cluster_resources().get("GPU", 0))
+    gpus = int(ray.cluster_resources().get("GPU", 0)) // num_replicas
     if device != "cpu" and gpus >= num_stages and local.num_cuda_devices == 0:
         probe = ray.remote(num_gpus=1)(probe_resources).remote()
         local = ray.get(probe, timeout=timeout_s)
-    return dataclasses.replace(local, num_cuda_devices=gpus, description="the Ray cluster")
+    where = (
+        "the Ray cluster"
+        if num_replicas == 1
+        else (f"a replica's share of the Ray cluster (its GPUs // {num_replicas} replicas)")
+    )
+    return dataclasses.replace(local, num_cuda_devices=gpus, description=where)
 
 
 class RayExecutor:
@@ -189,8 +195,9 @@ class RayExecutor:
         self._kv_shape = (0, 0)
         try:
             resources = _cluster_resources(
-                ray, config.model.device, self.num_stages, self.timeout_s
-            )
+                ray, config.model.device, self.num_stages, self.timeout_s,
+                p.data_parallel_size,
+            )  # fmt: skip
             self.placement = resolve_placement(config, checkpoint.spec, resources)
             self.schedule_ahead = resolve_schedule_ahead(config, self.placement, resources)
             ranges = list(self.placement.layer_ranges)
@@ -322,6 +329,16 @@ class RayExecutor:
         packed = pickle.dumps(microbatch, protocol=pickle.HIGHEST_PROTOCOL)
         with deferred_interrupts():
             return [a.run_packed.remote(packed) for a in self.actors]
+
+    def oldest_ready(self, timeout_s: float = 0.0) -> bool:
+        """Whether every stage has the oldest micro-batch's result (``wait_oldest`` would
+        not wait), waiting at most ``timeout_s`` for it: a router of replicas steps the one
+        whose pipeline is done first."""
+        if not self._inflight:
+            return True
+        refs = self._inflight[0][1]
+        ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        return len(ready) == len(refs)
 
     def wait_oldest(self) -> tuple[MicroBatch, MicroBatchResult]:
         microbatch, refs = self._inflight.popleft()

@@ -78,6 +78,11 @@ class RayCompiledExecutor(RayExecutor):
         return self._config.parallel.microbatches_in_flight
 
     # --- the per-micro-batch path ----------------------------------------------------------
+    def oldest_ready(self, timeout_s: float = 0.0) -> bool:
+        """Always true: a compiled graph's result is not polled here (``_collect`` polls it
+        its own way), so a router of replicas steps a ``ray_compiled`` replica in turn."""
+        return True
+
     def _run(self, microbatch: MicroBatch) -> Any:
         """The graph's execution of ``microbatch`` (``None`` for an empty one)."""
         if not microbatch.chunks:

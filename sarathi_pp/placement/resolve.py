@@ -110,17 +110,24 @@ def resolve_threads(
     config: EngineConfig, device: str, resources: Resources
 ) -> tuple[int | None, str]:
     """CPU threads per stage: ``num_threads_per_stage`` if set; one stage keeps torch's
-    default; several share the usable cores evenly (at least one each)."""
+    default; several (every replica's: ``data_parallel_size`` x ``pipeline_parallel_size``)
+    share the usable cores evenly (at least one each)."""
     if device != "cpu":
         return None, f"{device}: threads do not apply"
     configured = config.parallel.num_threads_per_stage
     if configured is not None:
         return configured, "parallel.num_threads_per_stage"
-    num_stages = config.parallel.pipeline_parallel_size
+    p = config.parallel
+    num_stages = p.pipeline_parallel_size * p.data_parallel_size
     if num_stages == 1:
         return None, "torch's default (one stage)"
     threads = max(1, resources.num_cpu_cores // num_stages)
-    return threads, f"usable cores {resources.num_cpu_cores} // {num_stages} stages"
+    stages = (
+        f"{num_stages} stages"
+        if p.data_parallel_size == 1
+        else (f"{p.data_parallel_size} replicas x {p.pipeline_parallel_size} stages")
+    )
+    return threads, f"usable cores {resources.num_cpu_cores} // {stages}"
 
 
 def resolve_memory(config: EngineConfig, device: str, resources: Resources) -> tuple[int, str]:

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sarathi_pp.engine import EngineDeadError, LLMEngine
+from sarathi_pp.engine import EngineDeadError, LLMEngine, ReplicatedEngine
 from sarathi_pp.engine.input_processor import ChatOptions, RequestInput
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.scheduler.base import QueueFullError
@@ -151,6 +151,10 @@ class _Routes:
         if not self.engine_loop.accepting:
             body = p.error_body("the server is stopping", "service_unavailable")
             return JSONResponse(body, status_code=503)
+        if isinstance(engine, ReplicatedEngine):  # degraded (still serving) once one is lost
+            live, total = engine.num_live, engine.num_replicas
+            status = "ok" if live == total else "degraded"
+            return JSONResponse({"status": status, "replicas": total, "replicas_live": live})
         return JSONResponse({"status": "ok"})
 
     async def metrics(self) -> Response:

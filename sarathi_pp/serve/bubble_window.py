@@ -94,35 +94,45 @@ class BubbleWindow(Observer):
 
 
 class BubbleCollector(Collector):
-    """Computes the bubble gauges at each scrape from a ``BubbleWindow``."""
+    """Computes the bubble gauges at each scrape from a ``BubbleWindow``, or from several
+    (one per data-parallel replica: each gauge then has a ``replica`` label, and the names
+    ``prefix``)."""
 
-    def __init__(self, window: BubbleWindow) -> None:
-        self.window = window
+    def __init__(
+        self, window: BubbleWindow | list[BubbleWindow], prefix: str = "sarathi_pp"
+    ) -> None:
+        self.windows = window if isinstance(window, list) else [window]
+        self.by_replica = isinstance(window, list)
+        self.prefix = prefix
 
     def collect(self) -> Any:
-        snap = self.window.snapshot()
+        replica = ["replica"] if self.by_replica else []
         busy = GaugeMetricFamily(
-            "sarathi_pp_stage_busy_fraction",
+            f"{self.prefix}_stage_busy_fraction",
             f"Fraction of the last {WINDOW_S:.0f} s each stage computed micro-batches",
-            labels=["stage"],
+            labels=[*replica, "stage"],
         )
         bubble = GaugeMetricFamily(
-            "sarathi_pp_stage_bubble_fraction",
+            f"{self.prefix}_stage_bubble_fraction",
             f"Fraction of the last {WINDOW_S:.0f} s each stage sat idle, by bubble class "
             "(as sarathi-pp report classifies it)",
-            labels=["stage", "class"],
+            labels=[*replica, "stage", "class"],
         )
         bounds = GaugeMetricFamily(
-            "sarathi_pp_bubble_interval_seconds",
+            f"{self.prefix}_bubble_interval_seconds",
             "The interval the bubble fractions cover, on the run's clock (seconds from its "
             "t0): `sarathi-pp report RUN_DIR --interval START:END` gives the same figures",
-            labels=["edge"],
+            labels=[*replica, "edge"],
         )
-        if snap is not None:
+        for i, window in enumerate(self.windows):
+            snap = window.snapshot()
+            if snap is None:
+                continue
+            r = [str(i)] if self.by_replica else []
             for s, fractions in enumerate(snap.fractions):
-                busy.add_metric([str(s)], fractions["busy"])
+                busy.add_metric([*r, str(s)], fractions["busy"])
                 for c in BUBBLE_CLASSES:
-                    bubble.add_metric([str(s), c], fractions[c])
-            bounds.add_metric(["start"], snap.start)
-            bounds.add_metric(["end"], snap.end)
+                    bubble.add_metric([*r, str(s), c], fractions[c])
+            bounds.add_metric([*r, "start"], snap.start)
+            bounds.add_metric([*r, "end"], snap.end)
         yield from (busy, bubble, bounds)

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from sarathi_pp.engine import LLMEngine
+from sarathi_pp.engine import LLMEngine, ReplicatedEngine
 from sarathi_pp.serve.bubble_window import BubbleWindow
 from sarathi_pp.serve.metrics import ServerMetrics
 
@@ -50,18 +50,29 @@ class Sink:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _bubble_window(engine: LLMEngine) -> BubbleWindow:
+    """The bubble window of one pipeline, told what its loop does; on its run dir's clock
+    when it has one, so /metrics' interval reads against it."""
+    events = getattr(engine.recorder, "events", None)
+    t0 = events.t0 if events is not None else engine.now()
+    window = BubbleWindow(engine.config.parallel.pipeline_parallel_size, t0, engine.now)
+    engine.add_observer(window)
+    return window
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics or ServerMetrics()
-        # The run dir's clock when there is one, so /metrics' interval reads against it.
-        events = getattr(engine.recorder, "events", None)
-        t0 = events.t0 if events is not None else engine.now()
-        window = BubbleWindow(engine.config.parallel.pipeline_parallel_size, t0, engine.now)
-        self.metrics.watch_bubbles(window)
-        # Observers of the loop: stage times and finished requests, and the bubble window.
+        # Observers of the loop: stage times and finished requests, and the bubble window of
+        # each pipeline (with replicas, one each: the classes are per pipeline; the gauges
+        # without a replica label are replica 0's).
         engine.add_observer(self.metrics)
-        engine.add_observer(window)
+        pipelines = engine.engines if isinstance(engine, ReplicatedEngine) else [engine]
+        windows = [_bubble_window(e) for e in pipelines]
+        self.metrics.watch_bubbles(windows[0])
+        if len(windows) > 1:
+            self.metrics.watch_replica_bubbles(windows)
         self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], Future]] = queue.Queue()
         self._sinks: dict[str, Sink] = {}  # request id -> sink; engine thread only
         self._stop = threading.Event()

@@ -15,7 +15,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from sarathi_pp.engine import LLMEngine
+from sarathi_pp.engine import LLMEngine, ReplicatedEngine
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.records.observer import Observer
 from sarathi_pp.serve.bubble_window import BubbleCollector, BubbleWindow
@@ -70,7 +70,7 @@ class ServerMetrics(Observer):
         self.prefix_cached_blocks = Gauge(
             "sarathi_pp_prefix_cache_blocks", "KV blocks findable by content", registry=r
         )
-        self._prefix_seen: tuple[Any, int, int] = (None, 0, 0)  # (stats, queries, hits)
+        self._prefix_seen: list[tuple[Any, int, int]] = []  # (stats, queries, hits) each
         # Per pipeline stage; under load, 1 - rate(busy) is the stage's bubble fraction.
         self.stage_busy = Counter(
             "sarathi_pp_stage_busy_seconds",
@@ -91,12 +91,40 @@ class ServerMetrics(Observer):
             "Seconds the last stage spent computing and applying structured output's masks",
             registry=r,
         )
+        # Data-parallel replicas (``parallel.data_parallel_size`` > 1): each one's own, by
+        # its ``replica`` label; the metrics above are the totals over the live replicas.
+        self.replica_up = Gauge(
+            "sarathi_pp_replica_up", "1 while the replica serves, 0 once lost", ["replica"],
+            registry=r,
+        )  # fmt: skip
+        self.replica_running = Gauge(
+            "sarathi_pp_replica_num_requests_running", "Running requests", ["replica"], registry=r
+        )
+        self.replica_waiting = Gauge(
+            "sarathi_pp_replica_num_requests_waiting", "Waiting requests", ["replica"], registry=r
+        )
+        self.replica_kv_blocks_used = Gauge(
+            "sarathi_pp_replica_kv_blocks_used", "KV blocks in use", ["replica"], registry=r
+        )
+        self.replica_stage_busy = Counter(
+            "sarathi_pp_replica_stage_busy_seconds",
+            "Seconds each replica's pipeline stage spent computing micro-batches",
+            ["replica", "stage"],
+            registry=r,
+        )
+        self.replica_requests = Counter(
+            "sarathi_pp_replica_requests", "Finished requests", ["replica"], registry=r
+        )
         self._num_preemptions_seen = 0
         self.vllm = VllmMetrics(r)  # vLLM's names too (``name_model`` labels them)
 
     def watch_bubbles(self, window: BubbleWindow) -> None:
         """Export the pipeline's bubbles over the last minute, computed at each scrape."""
         self.registry.register(BubbleCollector(window))
+
+    def watch_replica_bubbles(self, windows: list[BubbleWindow]) -> None:
+        """Export each replica's pipeline's bubbles by a ``replica`` label."""
+        self.registry.register(BubbleCollector(windows, prefix="sarathi_pp_replica"))
 
     def finished(self, out: RequestOutput) -> None:
         """One finished engine request's ``RequestOutput`` (each completion of ``n > 1`` is
@@ -132,30 +160,76 @@ class ServerMetrics(Observer):
             self.stage_busy.labels(stage=stage).inc(max(0.0, e.compute_end - e.compute_start))
             self.stage_microbatches.labels(stage=stage).inc()
 
-    def engine_state(self, engine: LLMEngine) -> None:
-        scheduler = engine.scheduler
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        blocks = scheduler.block_manager
-        self.kv_blocks_total.set(blocks.num_blocks)
-        self.kv_blocks_used.set(blocks.num_blocks - blocks.num_free_blocks)
-        num_preemptions = scheduler.num_preemptions
+    def for_replica(self, replica_idx: int) -> Observer:
+        """The observer of replica ``replica_idx``'s loop: these metrics, and its own."""
+        return _ReplicaObserver(self, str(replica_idx))
+
+    def engine_state(self, engine: LLMEngine | ReplicatedEngine) -> None:
+        """The gauges after a step: of the engine, or summed over the live replicas (each
+        one's also by its ``replica`` label)."""
+        if isinstance(engine, ReplicatedEngine):
+            live = engine.router.live
+            for i, e in enumerate(engine.engines):
+                s = e.scheduler
+                up = i in live
+                self.replica_up.labels(replica=str(i)).set(int(up))
+                self.replica_running.labels(replica=str(i)).set(len(s.running) if up else 0)
+                self.replica_waiting.labels(replica=str(i)).set(len(s.waiting) if up else 0)
+                used = s.block_manager.num_blocks - s.block_manager.num_free_blocks
+                self.replica_kv_blocks_used.labels(replica=str(i)).set(used if up else 0)
+            schedulers = [engine.engines[i].scheduler for i in live]
+        else:
+            schedulers = [engine.scheduler]
+        running = sum(len(s.running) for s in schedulers)
+        waiting = sum(len(s.waiting) for s in schedulers)
+        num_blocks = sum(s.block_manager.num_blocks for s in schedulers)
+        used = num_blocks - sum(s.block_manager.num_free_blocks for s in schedulers)
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_blocks_total.set(num_blocks)
+        self.kv_blocks_used.set(used)
+        num_preemptions = sum(s.num_preemptions for s in schedulers)
         new = max(0, num_preemptions - self._num_preemptions_seen)
         if new:
             self.preemptions.inc(new)
         self._num_preemptions_seen = num_preemptions
-        used = blocks.num_blocks - blocks.num_free_blocks
-        usage = used / blocks.num_blocks if blocks.num_blocks else 0.0
-        self.vllm.state(len(scheduler.running), len(scheduler.waiting), usage, new)
-        stats, queries, hits = self._prefix_seen
-        if stats is not blocks.stats:  # a new scheduler (``set_scheduler``): counts anew
-            stats, queries, hits = blocks.stats, 0, 0
-        dq, dh = stats.queries - queries, stats.hits - hits
-        self.prefix_queries.inc(dq)
-        self.prefix_hits.inc(dh)
-        self.vllm.prefix_cache(dq, dh)
-        self.prefix_cached_blocks.set(blocks.num_cached_blocks)
-        self._prefix_seen = (stats, stats.queries, stats.hits)
+        usage = used / num_blocks if num_blocks else 0.0
+        self.vllm.state(running, waiting, usage, new)
+        # prefix caching: each scheduler's counts (a replica's, or a new one after
+        # ``set_scheduler``) as deltas since last seen
+        seen = []
+        for s in schedulers:
+            stats = s.block_manager.stats
+            _, queries, hits = next((x for x in self._prefix_seen if x[0] is stats), (stats, 0, 0))
+            dq, dh = stats.queries - queries, stats.hits - hits
+            self.prefix_queries.inc(dq)
+            self.prefix_hits.inc(dh)
+            self.vllm.prefix_cache(dq, dh)
+            seen.append((stats, stats.queries, stats.hits))
+        self._prefix_seen = seen
+        self.prefix_cached_blocks.set(sum(s.block_manager.num_cached_blocks for s in schedulers))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ReplicaObserver(Observer):
+    """One replica's loop as ``ServerMetrics`` hears it: the totals, and the replica's own."""
+
+    def __init__(self, metrics: ServerMetrics, replica: str) -> None:
+        self.metrics, self.replica = metrics, replica
+
+    def completed(
+        self, microbatch: Any, result: Any, now: float, wait: float | None = None,
+        full: bool | None = None,
+    ) -> None:  # fmt: skip
+        self.metrics.completed(microbatch, result, now, wait, full)
+        for e in result.events:
+            busy = max(0.0, e.compute_end - e.compute_start)
+            self.metrics.replica_stage_busy.labels(replica=self.replica, stage=str(e.stage)).inc(
+                busy
+            )
+
+    def finished(self, output: RequestOutput) -> None:
+        self.metrics.finished(output)
+        self.metrics.replica_requests.labels(replica=self.replica).inc()

@@ -4,21 +4,19 @@ scheduler and block manager) on a ``SimExecutor`` and a virtual clock of its own
 Serving follows the benchmark's online loop (``bench/runner.py``): a request joins its
 replica when its arrival comes; a replica inside ``step()`` (waiting for its oldest
 micro-batch) takes arrivals only when the step returns, as the live engine does, and an
-idle replica waits for the next arrival. Replicas share nothing but the router:
-``round_robin`` (request k to replica k mod R) or ``least_loaded`` (the replica with the
-fewest unfinished requests when the request arrives, the lowest index on a tie; a
-replica's count is as of its last step, which may end a little after the arrival).
+idle replica waits for the next arrival. Replicas share nothing but the router, the
+runtime's own (``sarathi_pp/routing.py``): ``round_robin`` or ``least_loaded`` (the fewest
+pending tokens when the request arrives, with prefix affinity when
+``cache.enable_prefix_caching`` is on; a replica's load is as of its last step, which may
+end a little after the arrival).
 
-With one replica, a scheduler's run dir is the engine's own. With several, each replica
-writes its run dir as ``<run dir>/replica-<i>/`` (``sarathi-pp report`` reads each) and
-the run dir itself gets the merged ``requests.csv`` and a ``summary.json`` whose
-``requests`` pool every request, ``stages`` list every replica's stages in turn and
-``overall`` sums them.
+With one replica, a scheduler's run dir is the engine's own. With several, the layout of
+``report/replicas.py``: each replica's run dir ``<run dir>/replica-<i>/``, the total in the
+run dir itself.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -29,15 +27,9 @@ from sarathi_pp.bench.workload import BenchRequest
 from sarathi_pp.config import EngineConfig
 from sarathi_pp.engine import LLMEngine
 from sarathi_pp.outputs import RequestOutput
-from sarathi_pp.records.run_dir import RunDir
-from sarathi_pp.report.bubbles import BUBBLE_CLASSES
-from sarathi_pp.report.log import load_log
-from sarathi_pp.report.request_bubbles import request_bubble_times
-from sarathi_pp.report.request_metrics import distribution, load_requests, request_summary
+from sarathi_pp.report.replicas import replica_dir, write_total
+from sarathi_pp.routing import ROUTINGS, Router, pending_tokens
 from sarathi_pp.sim.clock import SimClock
-
-ROUTINGS = ("round_robin", "least_loaded")
-REPLICA_PREFIX = "replica-"
 
 # (config, checkpoint, clock) -> an executor on that clock
 ExecutorMaker = Callable[[EngineConfig, Any, SimClock], Any]
@@ -66,6 +58,9 @@ class SimCluster:
             self.shutdown()
             raise
         self._done: dict[str, RequestOutput] = {}
+        affinity = config.cache.enable_prefix_caching
+        block_size = self.engines[0].block_size if affinity else None
+        self.router = Router(replicas, routing, block_size)
 
     # --- what the benchmark asks of an engine ---------------------------------------------
     spec = property(lambda self: self.engines[0].spec)
@@ -96,11 +91,11 @@ class SimCluster:
         for c in self.clocks:
             c.advance_to(start)
         self._done = {}
-        for k, r in enumerate(sorted(requests, key=lambda r: r.arrival_s)):
+        for r in sorted(requests, key=lambda r: r.arrival_s):
             t = start + r.arrival_s
             for i in range(len(self.engines)):
                 self._advance(i, t)
-            e = self.engines[self._route(k)]
+            e = self.engines[self._route(r.prompt_token_ids)]
             e.add_request(
                 r.request_id, None, request_params(r),
                 prompt_token_ids=list(r.prompt_token_ids), arrival_time=t,
@@ -109,11 +104,16 @@ class SimCluster:
             self._advance(i, math.inf)
         return [self._done[r.request_id] for r in requests]
 
-    def _route(self, k: int) -> int:
-        if self.routing == "round_robin":
-            return k % len(self.engines)
-        loads = [len(e.scheduler.waiting) + len(e.scheduler.running) for e in self.engines]
-        return loads.index(min(loads))
+    def _route(self, token_ids: list[int]) -> int:
+        if len(self.engines) == 1:
+            return 0
+        loads = [0] * len(self.engines)  # round_robin reads none
+        if self.router.routing == "least_loaded":
+            loads = [
+                pending_tokens([*e.scheduler.waiting, *e.scheduler.running], e.max_model_len)
+                for e in self.engines
+            ]
+        return self.router.route(token_ids, loads)
 
     def _advance(self, i: int, t: float) -> None:
         """Step replica ``i`` while its clock is before ``t`` and it has work; then idle
@@ -139,54 +139,9 @@ class SimCluster:
             summary = self.engines[0].write_run_records()
             assert summary is not None
             return summary
-        dirs = [run_dir / f"{REPLICA_PREFIX}{i}" for i in range(len(self.engines))]
+        dirs = [replica_dir(run_dir, i) for i in range(len(self.engines))]
         for e, d in zip(self.engines, dirs, strict=True):
             e.start_run(d, overwrite=True)
         outputs = self.serve(requests)
         summaries = [e.write_run_records() for e in self.engines]
-        return self._merge(run_dir, dirs, outputs, summaries)
-
-    def _merge(
-        self,
-        run_dir: Path,
-        dirs: list[Path],
-        outputs: list[RequestOutput],
-        summaries: list[dict[str, Any] | None],
-    ) -> dict[str, Any]:
-        run = RunDir(run_dir)
-        run.write_requests(outputs)
-        rows = load_requests(run.requests)
-        times: list[float] = []
-        for d in dirs:
-            got = request_bubble_times(
-                load_log(RunDir(d).events), load_requests(RunDir(d).requests)
-            )
-            times += got or []
-        parts = [s for s in summaries if s is not None]
-        summary = {
-            "schema_version": 1,
-            "num_stages": parts[0]["num_stages"],
-            "scheduler": parts[0]["scheduler"],
-            "replicas": len(self.engines),
-            "routing": self.routing,
-            "replica_dirs": [d.name for d in dirs],
-            "stages": [s for p in parts for s in p["stages"]],
-            "overall": merge_overall([p["overall"] for p in parts]),
-            "requests": {**request_summary(rows), "bubble_time_s": distribution(times)},
-            "chunk_size": parts[0].get("chunk_size"),
-        }
-        run.summary.write_text(json.dumps(summary, indent=2) + "\n")
-        return summary
-
-
-def merge_overall(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """Several pipelines' ``overall`` entries as one: times and counts summed."""
-    keys = ("busy_s", "idle_s", "window_s", "fill_s", "drain_s", "fill_drain_s", "num_microbatches")
-    out: dict[str, Any] = {k: sum(e[k] for e in entries) for k in keys}
-    out["bubbles_s"] = {c: sum(e["bubbles_s"][c] for e in entries) for c in BUBBLE_CLASSES}
-    out["bubble_fraction"] = out["idle_s"] / out["window_s"] if out["window_s"] > 0 else 0.0
-    kinds = {k for e in entries for k in e["microbatches_by_kind"]}
-    out["microbatches_by_kind"] = {
-        k: sum(e["microbatches_by_kind"].get(k, 0) for e in entries) for k in sorted(kinds)
-    }
-    return out
+        return write_total(run_dir, dirs, outputs, summaries, routing=self.routing)

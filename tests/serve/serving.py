@@ -1,5 +1,6 @@
 """A live ``sarathi-pp serve`` app for the tests: uvicorn on 127.0.0.1 (a free port) in a
-background thread over an ``LLMEngine`` of the given model and config overrides."""
+background thread over the engine (``create_engine``: one, or data-parallel replicas) of the given model
+and config overrides."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sarathi_pp import LLMEngine, load_config
+from sarathi_pp import load_config
+from sarathi_pp.engine import create_engine
 from sarathi_pp.serve.server import build_server
 
 MODEL = "tiny"
@@ -48,7 +50,7 @@ def running_server(
     chat_template: str | None = None,
     **overrides: Any,
 ) -> Iterator:
-    engine = LLMEngine(load_config(None, model=str(model_dir), **overrides))
+    engine = create_engine(load_config(None, model=str(model_dir), **overrides))
     server = build_server(
         engine, names, "127.0.0.1", free_port(), api_key, "warning", chat_template
     )

@@ -96,6 +96,20 @@ def test_table_shows_runs_side_by_side():
     assert "sarathi / peer-hf: throughput 3.00x, TTFT p50 n/c" in text
 
 
+def test_a_data_parallel_runs_stages_are_named_by_replica():
+    total = summary("sarathi", 30.0, 0.1, [0.2, 0.3])
+    total["stages"] = [
+        {"replica": i, "stage": 0, "bubble_fraction": b} for i, b in ((0, 0.2), (1, 0.3))
+    ]
+    entry = engine_run_entry("sarathi", "run", total)
+    assert entry["stage_names"] == ["replica 0 stage 0", "replica 1 stage 0"]
+    text = format_table(build_comparison([entry], {"name": "w"}, {}))
+    assert [line.split()[:4] for line in text.splitlines() if "replica" in line] == [
+        ["replica", "0", "stage", "0"],
+        ["replica", "1", "stage", "0"],
+    ]
+
+
 @pytest.mark.parametrize(
     "cap, cell",
     [

@@ -96,6 +96,16 @@ def test_flags_and_set_reach_the_config(tmp_path):
     assert c.model.max_model_len == 128 and c.cache.block_size == 8
 
 
+@pytest.mark.parametrize("sub", ["generate", "bench", "serve"])
+def test_data_parallel_size_flag_on_every_model_running_subcommand(sub):
+    for flag in ("--data-parallel-size", "-dp"):
+        extra = ["--prompt", "x"] if sub == "generate" else []
+        extra += ["--run-dir", "runs/b", "--workload", "w.yaml"] if sub == "bench" else []
+        args = build_parser().parse_args([sub, flag, "2", *extra])
+        assert config_from_args(args).parallel.data_parallel_size == 2
+        assert config_from_args(args).parallel.executor_name == "ray"
+
+
 def test_config_file_then_flags(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("scheduler:\n  chunk_size: 32\n  max_num_seqs: 4\nmodel:\n  dtype: float32\n")

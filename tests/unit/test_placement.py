@@ -73,3 +73,19 @@ def test_cuda_asked_for_and_missing_names_the_counts():
 def test_more_stages_than_layers():
     with pytest.raises(ValueError, match="8 decoder layers over 9 stages"):
         place(CPU, pipeline_parallel_size=9)
+
+
+def test_a_replica_sees_its_share_of_the_ray_clusters_gpus():
+    """``data_parallel_size`` replicas each need their own GPUs: one GPU for two replicas of
+    one stage is none each (``auto`` then places them on CPU, ``cuda`` is refused by the
+    placement rule), not one each with the second waiting for the first's."""
+    from types import SimpleNamespace
+
+    from sarathi_pp.executors.ray import _cluster_resources
+
+    fake_ray = SimpleNamespace(cluster_resources=lambda: {"GPU": 3, "CPU": 8})
+    one = _cluster_resources(fake_ray, "cpu", 1, 1.0)
+    two = _cluster_resources(fake_ray, "cpu", 1, 1.0, num_replicas=2)
+    four = _cluster_resources(fake_ray, "cpu", 1, 1.0, num_replicas=4)
+    assert (one.num_cuda_devices, two.num_cuda_devices, four.num_cuda_devices) == (3, 1, 0)
+    assert "2 replicas" in two.description

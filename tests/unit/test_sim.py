@@ -579,21 +579,22 @@ def test_simulate_capacity(model_dir: Path, tmp_path: Path, capsys):
     assert len(cap["probes"]) == 3 and cap["capacity_rps"] == 4.0  # 1, 2, 4 req/s all met
 
 
-def test_least_loaded_routing_picks_the_fewest_unfinished(model_dir: Path):
+def test_least_loaded_routing_picks_the_fewest_pending_tokens(model_dir: Path):
+    """The simulator routes with the runtime's router (``sarathi_pp/routing.py``)."""
     config = make_config(model=str(model_dir))
     setup = SimSetup(hardware=hardware_from_dict(HW, "toy"), replicas=3, routing="least_loaded")
     cluster = build_cluster(config, setup)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
 
-    def add(i: int, rid: str) -> None:
-        cluster.engines[i].add_request(rid, None, params, prompt_token_ids=[5] * 8)
+    def add(i: int, rid: str, n: int = 8) -> None:
+        cluster.engines[i].add_request(rid, None, params, prompt_token_ids=[5] * n)
 
-    add(0, "a"), add(0, "b"), add(1, "c")
-    assert cluster._route(0) == 2  # loads 2, 1, 0
-    add(2, "d")
-    assert cluster._route(1) == 1  # loads 2, 1, 1: the lowest index of the least loaded
+    add(0, "a"), add(0, "b"), add(1, "c", n=30)
+    assert cluster._route([7]) == 2  # pending tokens 20, 32, 0
+    add(2, "d", n=40)
+    assert cluster._route([7]) == 0  # 20, 32, 42: fewest pending tokens, not fewest requests
     rr = build_cluster(config, SimSetup(hardware=hardware_from_dict(HW, "toy"), replicas=3))
-    assert [rr._route(k) for k in range(5)] == [0, 1, 2, 0, 1]
+    assert [rr._route([7]) for k in range(5)] == [0, 1, 2, 0, 1]
 
 
 def test_scheduling_ahead_takes_the_driver_off_the_loop(model_dir: Path, tmp_path: Path):
