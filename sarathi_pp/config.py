@@ -173,6 +173,21 @@ class SchedulerConfig:
     max_waiting: int | None = None
     """Most requests waiting to be admitted; a request past it is refused with
     ``QueueFullError`` (an HTTP server answers 429). ``None`` = unbounded."""
+    balance_microbatches: bool = True
+    """Balanced micro-batches to the end of a run (token throttling, as gLLM). Decodes: the
+    running decodes are shared across the micro-batches in flight so that their decode
+    counts differ by at most one: a micro-batch takes ``min(ceil(R / M), ceil(r / f))``
+    decodes, R the running sequences, M the in-flight limit in force, r the decodes ready
+    now and f the micro-batches that may still be issued (M less those in flight, at least
+    one); every policy. Prefills (``sarathi``): a micro-batch's prefill tokens are paced by
+    the prefill work pending, ``max(tile_size, ceil(W / M))`` at most (and never above the
+    budget), W the prompt tokens left to issue of the admitted prompts plus those of the
+    arrived waiting ones that the free KV blocks hold; so the last prompts' chunks spread
+    over the micro-batches in flight instead of filling the first and leaving the others
+    decode-only, and prefill work goes on into what would be the decode-only tail. With
+    one micro-batch in flight both rules change nothing. ``false``: the rules before them
+    (the first micro-batches take ``ceil(R / M)`` decodes each, the last ones fewer or
+    none; a prefill chunk fills the budget), for measuring against."""
 
     @property
     def chunks_prompts(self) -> bool:
@@ -211,6 +226,10 @@ class SchedulerConfig:
         _check_opt_int("max_waiting", self.max_waiting, 1)
         if not isinstance(self.tile_align, bool):
             raise ValueError(f"tile_align must be true or false, got {self.tile_align!r}")
+        if not isinstance(self.balance_microbatches, bool):
+            raise ValueError(
+                f"balance_microbatches must be true or false, got {self.balance_microbatches!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -397,6 +416,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_waiting": ("scheduler", "max_waiting"),
+    "balance_microbatches": ("scheduler", "balance_microbatches"),
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "num_microbatches_in_flight": ("parallel", "num_microbatches_in_flight"),
