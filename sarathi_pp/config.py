@@ -239,8 +239,14 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Accepted as in vLLM; only 1 (no tensor parallelism: split a model over pipeline
     stages instead)."""
-    num_microbatches_in_flight: int | None = None
-    """Plans outstanding at once; ``None`` = ``pipeline_parallel_size``."""
+    num_microbatches_in_flight: int | str | None = "auto"
+    """Micro-batches outstanding at once. ``auto`` (throughput first): one stage, 1; P >= 2
+    stages, P + 1 in all: the one above P hides the loop back through the driver (tokens
+    back, scheduling, dispatch) behind the next micro-batch's compute; where scheduling
+    ahead is on, the micro-batch ahead is that one, so P plus the one ahead
+    (``ParallelConfig.in_flight_limit``). Latency first (each decode waits for
+    the fewest micro-batches, the lowest TBT while prompts remain): ``null`` =
+    ``pipeline_parallel_size``, or any number."""
     num_decode_microbatches_in_flight: int | None = None
     """The limit while every micro-batch is decode-only (no prompt has tokens left to issue
     and no arrived request waits); ``None`` = ``pipeline_parallel_size``, never more than
@@ -281,7 +287,14 @@ class ParallelConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size!r}: tensor parallelism is not "
                 f"supported, only 1; split the model over stages with pipeline_parallel_size"
             )
-        _check_opt_int("num_microbatches_in_flight", self.num_microbatches_in_flight, 1)
+        if self.num_microbatches_in_flight != "auto":
+            try:
+                _check_opt_int("num_microbatches_in_flight", self.num_microbatches_in_flight, 1)
+            except ValueError:
+                raise ValueError(
+                    f"num_microbatches_in_flight must be an integer >= 1, 'auto' or null, "
+                    f"got {self.num_microbatches_in_flight!r}"
+                ) from None
         _check_opt_int(
             "num_decode_microbatches_in_flight", self.num_decode_microbatches_in_flight, 1
         )
@@ -332,7 +345,27 @@ class ParallelConfig:
 
     @property
     def microbatches_in_flight(self) -> int:
-        return self.num_microbatches_in_flight or self.pipeline_parallel_size
+        """``num_microbatches_in_flight`` resolved without the placement: ``auto`` as P + 1
+        for P >= 2 stages (the most it may be: with scheduling ahead on, the engine keeps P
+        and the one ahead, ``in_flight_limit``)."""
+        m = self.num_microbatches_in_flight
+        if m == "auto":
+            p = self.pipeline_parallel_size
+            return p + 1 if p > 1 else 1
+        assert m is None or isinstance(m, int), m
+        return m or self.pipeline_parallel_size
+
+    def in_flight_limit(self, schedule_ahead: bool) -> int:
+        """The engine's in-flight limit, the micro-batch ahead not counted, once the
+        placement has decided ``schedule_ahead``: an explicit ``num_microbatches_in_flight``
+        as set; ``auto``: 1 for one stage, else P + 1 in all with P stages. The micro-batch
+        above P hides the loop back through the driver (tokens back, scheduling, dispatch)
+        behind the next one's compute, about halving sarathi's bubble on 2 stages (the
+        design page "The control plane", "What to choose"); with ``schedule_ahead`` the
+        micro-batch ahead does that already, so P (plus it)."""
+        if self.num_microbatches_in_flight == "auto" and schedule_ahead:
+            return self.pipeline_parallel_size
+        return self.microbatches_in_flight
 
     @property
     def decode_microbatches_in_flight(self) -> int:
