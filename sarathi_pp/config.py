@@ -177,9 +177,9 @@ class SchedulerConfig:
     """Balanced micro-batches to the end of a run (token throttling, as gLLM). Decodes: the
     running decodes are shared across the micro-batches in flight so that their decode
     counts differ by at most one: a micro-batch takes ``min(ceil(R / M), ceil(r / f))``
-    decodes, R the running sequences, M the in-flight limit in force, r the decodes ready
-    now and f the micro-batches that may still be issued (M less those in flight, at least
-    one); every policy. Prefills (``sarathi``): a micro-batch's prefill tokens are paced by
+    decodes, R the running sequences past their prompt, M the in-flight limit in force, r
+    the decodes ready now and f the micro-batches that may still be issued (M less those in
+    flight, at least one); every policy. Prefills (``sarathi``): a micro-batch's prefill tokens are paced by
     the prefill work pending, ``max(tile_size, ceil(W / M))`` at most (and never above the
     budget), W the prompt tokens left to issue of the admitted prompts plus those of the
     arrived waiting ones that the free KV blocks hold; so the last prompts' chunks spread
