@@ -376,15 +376,18 @@ class Scheduler(ABC):
 
         Balanced (``scheduler.balance_microbatches``): at most ``ceil(R / M)`` (R the
         running sequences past their prompt, M the limit in force) and at most the ready
-        decodes spread over the micro-batches that may still be issued, ``ceil(r / f)``. Without
-        the second bound, 5 decodes over 4 micro-batches went 2, 2, 1 and none; with it,
-        2, 1, 1, 1. Without the first, a limit that drops (``microbatch_limit``) would let
-        one micro-batch take the decodes of several for good."""
+        decodes r spread over the f micro-batches that may still be issued, ``ceil(r / f)``.
+        Without the second bound, 5 decodes over 4 micro-batches went 2, 2, 1 and none;
+        with it, 2, 1, 1, 1. Without the first, a limit that drops (``microbatch_limit``)
+        would let one micro-batch take the decodes of several for good. O(running)."""
         if not self.config.balance_microbatches:
             return max(1, -(-len(self.running) // self._decode_groups))
         num_decoding = len(self.running) - len(self._partial_prefills())
         cap = -(-num_decoding // self._decode_groups)
-        num_ready = len(self._decode_candidates())
+        ahead = self._ring_upto >= 0
+        num_ready = sum(
+            1 for s in self.running if s.is_decode or (ahead and self._can_decode_ahead(s))
+        )
         num_free = max(1, self._decode_groups - self._num_inflight)
         return max(1, min(cap, -(-num_ready // num_free)))
 
