@@ -39,7 +39,8 @@ $(DEV_STAMP): $(STAMP)
 # system message and 16 questions about it; ends with the run's bubble report.
 # DEMO_SET: settings on top of the config, e.g. the defaults before balanced micro-batches
 # and `auto` in flight: DEMO_SET="--set scheduler.balance_microbatches=false
-# --set parallel.num_microbatches_in_flight=null" (DEMO_RUN=runs/demo-old keeps both runs).
+# --set parallel.num_microbatches_in_flight=null" (DEMO_RUN=runs/demo-old keeps both runs);
+# pacing the prefill into the tail: DEMO_SET="--set scheduler.prefill_pacing=true".
 DEMO_SET ?=
 DEMO_RUN ?= runs/demo
 demo: venv

@@ -58,6 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="scheduler.balance_microbatches (--no-balance: the rule before it)",
     )
+    p.add_argument(
+        "--prefill-pacing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="scheduler.prefill_pacing (off: the library's default)",
+    )
     p.add_argument("--quick", action="store_true", help=f"default workload {QUICK_WORKLOAD}")
     add_record_flag(p)
     return p.parse_args(argv)
@@ -89,6 +95,7 @@ def run_one(args, scheduler: str, requests: list[BenchRequest], run_dir: Path) -
         num_threads_per_stage=1,
         num_microbatches_in_flight=args.microbatches_in_flight,
         balance_microbatches=args.balance,
+        prefill_pacing=args.prefill_pacing,
     )
     try:
         prompts = [list(r.prompt_token_ids) for r in requests]
@@ -145,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_comparison(names, summaries))
     run.settings.update(workload=workload.describe(), config=args.config,
                         chunk_size=args.chunk_size, balance_microbatches=args.balance,
+                        prefill_pacing=args.prefill_pacing,
                         microbatches_in_flight=args.microbatches_in_flight)  # fmt: skip
     record(run, names, summaries, walls, sum(r.output_tokens for r in requests))
     run.note(cores_note(2))

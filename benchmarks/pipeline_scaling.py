@@ -12,7 +12,8 @@ default model with the SARATHI scheduler (chunk 256):
 * PP=2: two Ray stage actors, ``num_threads_per_stage`` = ``--threads-per-stage`` each,
   ``num_microbatches_in_flight`` the library's default (``auto``) unless
   ``--microbatches-in-flight`` (``stages``: the default before ``auto``); the scheduler's
-  ``balance_microbatches`` on unless ``--no-balance`` (both flags: the old defaults);
+  ``balance_microbatches`` on unless ``--no-balance`` (both flags: the old defaults),
+  ``prefill_pacing`` off unless ``--prefill-pacing``;
   ``--executor ray_compiled`` drives them through a Ray Compiled Graph (no recv/send
   spans then: the graph's channels carry the hidden states).
 
@@ -140,6 +141,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="scheduler.balance_microbatches in both runs (--no-balance: the rule before it)",
+    )
+    p.add_argument(
+        "--prefill-pacing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="scheduler.prefill_pacing in both runs (off: the library's default)",
     )
     p.add_argument("--scheduler", default="sarathi")
     p.add_argument("--executor", default="ray", choices=["ray", "ray_compiled"],
@@ -342,6 +349,7 @@ def build_llm(
         # PP=1 always one (Note [PP=1 at M=1]); the pipelined run as asked
         num_microbatches_in_flight=args.microbatches_in_flight if num_stages > 1 else 1,
         balance_microbatches=args.balance,
+        prefill_pacing=args.prefill_pacing,
         executor=args.executor if num_stages > 1 else "uniproc",
         schedule_ahead=args.schedule_ahead if num_stages > 1 else False,
         block_size=BLOCK_SIZE,
@@ -800,7 +808,7 @@ def main(argv: list[str] | None = None) -> None:
         num_stages=args.num_stages, threads_per_stage=args.threads_per_stage,
         executor=args.executor, schedule_ahead=args.schedule_ahead,
         microbatches_in_flight=args.microbatches_in_flight, prefault=args.prefault,
-        balance_microbatches=args.balance,
+        balance_microbatches=args.balance, prefill_pacing=args.prefill_pacing,
         repeat=args.repeat,
     )  # fmt: skip
     record(run, pairs, sides, num_output_tokens)

@@ -174,20 +174,23 @@ class SchedulerConfig:
     """Most requests waiting to be admitted; a request past it is refused with
     ``QueueFullError`` (an HTTP server answers 429). ``None`` = unbounded."""
     balance_microbatches: bool = True
-    """Balanced micro-batches to the end of a run (token throttling, as gLLM). Decodes: the
-    running decodes are shared across the micro-batches in flight so that their decode
-    counts differ by at most one: a micro-batch takes ``min(ceil(R / M), ceil(r / f))``
-    decodes, R the running sequences past their prompt, M the in-flight limit in force, r
-    the decodes ready now and f the micro-batches that may still be issued (M less those in
-    flight, at least one); every policy. Prefills (``sarathi``): a micro-batch's prefill tokens are paced by
-    the prefill work pending, ``max(tile_size, ceil(W / M))`` at most (and never above the
+    """Decodes shared evenly across the micro-batches in flight, every policy: a
+    micro-batch takes ``min(ceil(R / M), ceil(r / f))`` decodes, R the running sequences
+    past their prompt, M the in-flight limit in force, r the decodes ready now and f the
+    micro-batches that may still be issued (M less those in flight, at least one), so the
+    decode counts of the micro-batches in flight differ by at most one. ``false``: the rule
+    before it, ``ceil(R / M)`` with the prompts in prefill counted in R (5 decodes over 4
+    micro-batches went 2, 2, 1 and none), for measuring against."""
+    prefill_pacing: bool = False
+    """``sarathi``: a micro-batch's prefill tokens paced by the prefill work pending (as
+    gLLM's token throttling), ``max(tile_size, ceil(W / M))`` at most (never above the
     budget), W the prompt tokens left to issue of the admitted prompts plus those of the
-    arrived waiting ones that the free KV blocks hold; so the last prompts' chunks spread
-    over the micro-batches in flight instead of filling the first and leaving the others
-    decode-only, and prefill work goes on into what would be the decode-only tail. With
-    one micro-batch in flight both rules change nothing. ``false``: the rules before them
-    (the first micro-batches take ``ceil(R / M)`` decodes each, the last ones fewer or
-    none; a prefill chunk fills the budget), for measuring against."""
+    arrived waiting ones that the free KV blocks hold, M the in-flight limit in force;
+    only while at least M sequences decode. The last prompts' chunks then spread over the
+    micro-batches in flight instead of filling the first and leaving the others
+    decode-only, and prefill work reaches into what would be the decode-only tail. Off by
+    default: it delays a prompt's last chunks, so the time to the first token rises (the
+    design page "Schedulers" says where it pays)."""
 
     @property
     def chunks_prompts(self) -> bool:
@@ -230,6 +233,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"balance_microbatches must be true or false, got {self.balance_microbatches!r}"
             )
+        if not isinstance(self.prefill_pacing, bool):
+            raise ValueError(f"prefill_pacing must be true or false, got {self.prefill_pacing!r}")
 
 
 @dataclass(frozen=True)
@@ -450,6 +455,7 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_waiting": ("scheduler", "max_waiting"),
     "balance_microbatches": ("scheduler", "balance_microbatches"),
+    "prefill_pacing": ("scheduler", "prefill_pacing"),
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "num_microbatches_in_flight": ("parallel", "num_microbatches_in_flight"),

@@ -62,9 +62,13 @@ def test_pp2_matches_hf_and_pp1(pp2, llama_dir, scheduler, chunk_size, tile_alig
     assert pp2.engine.max_inflight == 3
 
 
-def test_pp2_equals_pp1_exactly(pp2, llama_dir):
-    """Splitting layers over processes changes no arithmetic: identical tokens, no tie rule."""
-    pp2.engine.set_scheduler(policy="sarathi", chunk_size=32, tile_align=False)
+@pytest.mark.parametrize("pacing", [False, True])
+def test_pp2_equals_pp1_exactly(pp2, llama_dir, pacing):
+    """Splitting layers over processes changes no arithmetic: identical tokens, no tie rule;
+    with the prefill paced into the micro-batches in flight too (``prefill_pacing``)."""
+    pp2.engine.set_scheduler(
+        policy="sarathi", chunk_size=32, tile_align=False, tile_size=8, prefill_pacing=pacing
+    )
     prompts = make_prompts(seed=4)
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in pp2.generate(prompts, sp, use_tqdm=False)]

@@ -1,6 +1,7 @@
 """``scheduler.balance_microbatches``: decodes shared evenly across the micro-batches in
-flight (counts within one of each other, every phase, M = 1..4) and prefill chunks paced by
-the pending prefill work so that prefill reaches what would be the decode-only tail.
+flight (counts within one of each other, every phase, M = 1..4); ``scheduler.prefill_pacing``:
+prefill chunks paced by the pending prefill work so that prefill reaches what would be the
+decode-only tail.
 
 Driven by the pure-Python simulation of ``test_scheduler`` (fake model, reference outputs).
 """
@@ -21,7 +22,11 @@ MAX_LEN = 256
 
 
 def make(num_inflight: int, balance: bool = True, num_blocks: int = 256, **kw) -> Scheduler:
-    config = SchedulerConfig(policy=kw.pop("policy", "sarathi"), balance_microbatches=balance, **kw)
+    """``balance``: both rules on (``balance_microbatches`` and ``prefill_pacing``) or off."""
+    config = SchedulerConfig(
+        policy=kw.pop("policy", "sarathi"), balance_microbatches=balance, prefill_pacing=balance,
+        **kw,
+    )  # fmt: skip
     return create_scheduler(config, num_blocks, 4, MAX_LEN, num_inflight)
 
 
@@ -112,17 +117,18 @@ def test_five_decodes_over_four_microbatches_fill_every_one(policy):
 
 
 def test_prefill_is_paced_by_the_pending_prefill_work():
-    # One decode running and a 40-token prompt waiting, two micro-batches in flight: the
+    # Two decodes running and a 40-token prompt waiting, two micro-batches in flight: the
     # first takes ceil(40 / 2) prompt tokens, the second ceil(20 / 2), instead of the first
-    # taking all 40 and the second being a lone decode (or nothing); the floor is one tile.
-    for balance, expect in ((True, [20, 10]), (False, [40])):
+    # taking all 40 and the second being decodes alone (or nothing); the floor is one tile.
+    prompt = Request(2, [(5 * j) % 97 for j in range(40)], 3)
+    for balance, expect in ((True, [20, 10]), (False, [40, 0])):
         sched = make(2, balance, chunk_size=64, tile_align=False, tile_size=8)
-        reqs = [Request(0, [1, 2, 3], 6), Request(1, [(5 * j) % 97 for j in range(40)], 3)]
-        sched.add(make_seq(reqs[0]))
+        for i in range(2):
+            sched.add(make_seq(Request(i, [1 + i, 2, 3], 6)))
         first = sched.schedule(0.0)
-        assert first is not None
+        assert first is not None and first.num_prefill_tokens == 6
         sched.on_step_done(first, FakeModel(256, 4).execute(first), 0.0)
-        sched.add(make_seq(reqs[1]))
+        sched.add(make_seq(prompt))
         got = []
         for _ in range(2):  # two in flight
             if (mb := sched.schedule(0.0)) is not None:
@@ -147,6 +153,16 @@ def test_pacing_carries_prefill_into_the_tail_when_prompts_wait():
     assert last_prefill[True] > last_prefill[False], last_prefill
 
 
-def test_balance_microbatches_must_be_a_bool():
-    with pytest.raises(ValueError, match="balance_microbatches must be true or false, got 'x'"):
-        SchedulerConfig(balance_microbatches="x")  # type: ignore[arg-type]
+def test_pacing_waits_for_decodes_to_balance_against():
+    # Fewer decodes than micro-batches in flight: nothing to balance, a prompt split further
+    # would only wait longer for its first token, so the chunk fills the budget.
+    sched = make(2, chunk_size=64, tile_align=False, tile_size=8)
+    sched.add(make_seq(Request(0, [(3 * j) % 97 for j in range(40)], 3)))
+    mb = sched.schedule(0.0)
+    assert mb is not None and mb.num_prefill_tokens == 40
+
+
+@pytest.mark.parametrize("field", ["balance_microbatches", "prefill_pacing"])
+def test_the_settings_must_be_bools(field):
+    with pytest.raises(ValueError, match=f"{field} must be true or false, got 'x'"):
+        SchedulerConfig(**{field: "x"})

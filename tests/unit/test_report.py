@@ -161,7 +161,7 @@ def test_shapes_alone_are_no_compute_stalls(sim_model_dir, tmp_path: Path):
     # shape of the list is there
     d = sim_run(
         tmp_path / "shapes", sim_model_dir, reqs, compute_s, chunk_size=1024,
-        balance_microbatches=False, num_microbatches_in_flight=2,
+        balance_microbatches=False, prefill_pacing=False, num_microbatches_in_flight=2,
     )  # fmt: skip
     events = load_log(d / "events.jsonl").stages[0]
     assert {e.num_prefill_tokens for e in events if e.kind == "prefill"} >= {128, 512, 1024}

@@ -161,7 +161,7 @@ def test_random_operations_keep_the_invariants(
 ):
     sched = make_scheduler(
         policy, num_blocks, 4, num_inflight, num_decode_inflight, caching, chunk_size=chunk_size,
-        tile_align=False, tile_size=4, balance_microbatches=balance,
+        tile_align=False, tile_size=4, balance_microbatches=balance, prefill_pacing=balance,
     )  # fmt: skip
     h = Harness(sched, num_inflight)
     for op, *args in ops:
