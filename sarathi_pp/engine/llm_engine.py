@@ -127,6 +127,11 @@ class LLMEngine(PipelineRecovery):
         if config.parallel.pipeline_parallel_size > 1:
             state = "on" if self.schedule_ahead else "off"
             logger.info("scheduling ahead %s (%s)", state, ahead.source)
+            logger.info(
+                "micro-batches in flight: %d%s (num_microbatches_in_flight=%s)",
+                self.microbatches_in_flight, " + 1 ahead" if self.schedule_ahead else "",
+                config.parallel.num_microbatches_in_flight,
+            )  # fmt: skip
         self.num_stages = config.parallel.pipeline_parallel_size
         self.scheduler = self._create_scheduler(config.scheduler)
 
