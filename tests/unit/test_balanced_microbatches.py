@@ -46,7 +46,6 @@ def run(sched: Scheduler, reqs: list[Request], num_inflight: int):
         sched.add(seq)
     inflight: deque[MicroBatch] = deque()
     keys: list[frozenset[int]] = []
-    issued: list[MicroBatch] = []
     for _ in range(10_000):
         if not (sched.has_unfinished() or inflight):
             break
@@ -56,7 +55,6 @@ def run(sched: Scheduler, reqs: list[Request], num_inflight: int):
             if microbatch is None:
                 break
             inflight.append(microbatch)
-            issued.append(microbatch)
             yield list(inflight), limit, keys
         microbatch = inflight.popleft()
         for seq in sched.on_step_done(microbatch, model.execute(microbatch), 0.0):
