@@ -37,11 +37,17 @@ $(DEV_STAMP): $(STAMP)
 # A PP=2 run (two Ray stage actors) on the real embedded model (SmolLM2-135M-Instruct,
 # converted from its GGUF file on first use, ~1 min) with chat prompts: an article as the
 # system message and 16 questions about it; ends with the run's bubble report.
+# DEMO_SET: settings on top of the config, e.g. the defaults before balanced micro-batches
+# and `auto` in flight: DEMO_SET="--set scheduler.balance_microbatches=false
+# --set parallel.num_microbatches_in_flight=null" (DEMO_RUN=runs/demo-old keeps both runs);
+# pacing the prefill into the tail: DEMO_SET="--set scheduler.prefill_pacing=true".
+DEMO_SET ?=
+DEMO_RUN ?= runs/demo
 demo: venv
 	$(VENV)/bin/sarathi-pp generate --config configs/smollm2-pp2.yaml --chat \
 		--system "$$(cat configs/demo-system.txt)" --prompts-file configs/demo-prompts-chat.txt \
-		--max-tokens 40 --run-dir runs/demo --overwrite
-	$(VENV)/bin/sarathi-pp report runs/demo
+		--max-tokens 40 --run-dir $(DEMO_RUN) --overwrite $(DEMO_SET)
+	$(VENV)/bin/sarathi-pp report $(DEMO_RUN)
 
 # The serving benchmark: the mixed workload through sarathi and transformers' continuous
 # batching (the peer), side by side (~5 min on 2 cores).

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import load_args_workload, load_average
+from common import in_flight_arg, load_args_workload, load_average
 from results import Run, add_record_flag, cores_note
 
 from sarathi_pp import LLM, SamplingParams
@@ -46,6 +46,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workload", default=None, help=f"workload YAML (default {WORKLOAD})")
     p.add_argument("--num-requests", type=int, default=None, help="default: the workload's")
     p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument(
+        "--microbatches-in-flight",
+        type=in_flight_arg,
+        default="auto",
+        help="auto (the library's default), stages (the default before auto) or a number",
+    )
+    p.add_argument(
+        "--balance",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="scheduler.balance_microbatches (--no-balance: the rule before it)",
+    )
+    p.add_argument(
+        "--prefill-pacing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="scheduler.prefill_pacing (off: the library's default)",
+    )
     p.add_argument("--quick", action="store_true", help=f"default workload {QUICK_WORKLOAD}")
     add_record_flag(p)
     return p.parse_args(argv)
@@ -75,6 +93,9 @@ def run_one(args, scheduler: str, requests: list[BenchRequest], run_dir: Path) -
         run_dir=str(run_dir),
         overwrite=True,
         num_threads_per_stage=1,
+        num_microbatches_in_flight=args.microbatches_in_flight,
+        balance_microbatches=args.balance,
+        prefill_pacing=args.prefill_pacing,
     )
     try:
         prompts = [list(r.prompt_token_ids) for r in requests]
@@ -130,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(format_comparison(names, summaries))
     run.settings.update(workload=workload.describe(), config=args.config,
-                        chunk_size=args.chunk_size)  # fmt: skip
+                        chunk_size=args.chunk_size, balance_microbatches=args.balance,
+                        prefill_pacing=args.prefill_pacing,
+                        microbatches_in_flight=args.microbatches_in_flight)  # fmt: skip
     record(run, names, summaries, walls, sum(r.output_tokens for r in requests))
     run.note(cores_note(2))
     run.note("Bubble fraction: the stages' idle share of the steady state (sarathi-pp "

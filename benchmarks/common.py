@@ -248,3 +248,17 @@ def microbatch_flops(spec: ModelSpec, microbatch: MicroBatch) -> int:
 def floor_s(flops: int, nbytes: int, gflops: float, gbps: float) -> tuple[float, float]:
     """(compute floor, bandwidth floor) in seconds."""
     return flops / (gflops * 1e9), nbytes / (gbps * 1e9)
+
+
+def in_flight_arg(text: str) -> int | str | None:
+    """``--microbatches-in-flight``: ``auto``, ``stages`` (null: the number of stages) or
+    a number >= 1."""
+    if text in ("auto", "stages"):
+        return None if text == "stages" else text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"auto, stages or a number >= 1, got {text!r}")
+    return value

@@ -69,7 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/control_plane", help="run dirs below this")
     p.add_argument("--executors", default=",".join(EXECUTORS), help="of " + ", ".join(EXECUTORS))
     p.add_argument("--schedulers", default=",".join(SCHEDULERS))
-    p.add_argument("--microbatches-in-flight", default="", help="e.g. 2,3 (default: stages)")
+    p.add_argument(
+        "--microbatches-in-flight", default="", help="e.g. 2,3 (default: the library's, auto)"
+    )
     p.add_argument("--workload", default=None, help=f"workload YAML (default {WORKLOAD})")
     p.add_argument("--num-requests", type=int, default=None, help="default: the workload's")
     p.add_argument("--chunk-size", type=int, default=256)

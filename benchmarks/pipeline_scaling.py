@@ -10,7 +10,10 @@ default model with the SARATHI scheduler (chunk 256):
   in this process, so it is the per-core baseline; one micro-batch in flight whatever
   ``--microbatches-in-flight`` says (Note [PP=1 at M=1]);
 * PP=2: two Ray stage actors, ``num_threads_per_stage`` = ``--threads-per-stage`` each,
-  ``num_microbatches_in_flight`` = the number of stages unless ``--microbatches-in-flight``;
+  ``num_microbatches_in_flight`` the library's default (``auto``) unless
+  ``--microbatches-in-flight`` (``stages``: the default before ``auto``); the scheduler's
+  ``balance_microbatches`` on unless ``--no-balance`` (both flags: the old defaults),
+  ``prefill_pacing`` off unless ``--prefill-pacing``;
   ``--executor ray_compiled`` drives them through a Ray Compiled Graph (no recv/send
   spans then: the graph's channels carry the hidden states).
 
@@ -102,7 +105,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 
 import torch  # noqa: E402
-from common import load_args_workload, load_average, machine_line, random_prompts  # noqa: E402
+from common import (  # noqa: E402
+    in_flight_arg,
+    load_args_workload,
+    load_average,
+    machine_line,
+    random_prompts,
+)
 from results import Run, add_record_flag, cores_note  # noqa: E402
 
 from sarathi_pp import LLM, SamplingParams  # noqa: E402
@@ -122,9 +131,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads-per-stage", type=int, default=1, help="torch threads per stage")
     p.add_argument(
         "--microbatches-in-flight",
-        type=int,
-        default=None,
-        help="the pipelined run's (default: its stages); PP=1 runs one (Note [PP=1 at M=1])",
+        type=in_flight_arg,
+        default="auto",
+        help="the pipelined run's: auto (the library's default), stages (the default before "
+        "auto) or a number; PP=1 runs one (Note [PP=1 at M=1])",
+    )
+    p.add_argument(
+        "--balance",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="scheduler.balance_microbatches in both runs (--no-balance: the rule before it)",
+    )
+    p.add_argument(
+        "--prefill-pacing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="scheduler.prefill_pacing in both runs (off: the library's default)",
     )
     p.add_argument("--scheduler", default="sarathi")
     p.add_argument("--executor", default="ray", choices=["ray", "ray_compiled"],
@@ -326,6 +348,8 @@ def build_llm(
         num_threads_per_stage=args.threads_per_stage,
         # PP=1 always one (Note [PP=1 at M=1]); the pipelined run as asked
         num_microbatches_in_flight=args.microbatches_in_flight if num_stages > 1 else 1,
+        balance_microbatches=args.balance,
+        prefill_pacing=args.prefill_pacing,
         executor=args.executor if num_stages > 1 else "uniproc",
         schedule_ahead=args.schedule_ahead if num_stages > 1 else False,
         block_size=BLOCK_SIZE,
@@ -784,6 +808,7 @@ def main(argv: list[str] | None = None) -> None:
         num_stages=args.num_stages, threads_per_stage=args.threads_per_stage,
         executor=args.executor, schedule_ahead=args.schedule_ahead,
         microbatches_in_flight=args.microbatches_in_flight, prefault=args.prefault,
+        balance_microbatches=args.balance, prefill_pacing=args.prefill_pacing,
         repeat=args.repeat,
     )  # fmt: skip
     record(run, pairs, sides, num_output_tokens)

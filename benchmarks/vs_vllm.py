@@ -30,7 +30,7 @@ from results import Run, add_record_flag, cores_note  # noqa: E402
 
 from sarathi_pp.bench.suite import Bench, BenchOptions, PeerFailed  # noqa: E402
 from sarathi_pp.bench.workload import load_workload  # noqa: E402
-from sarathi_pp.config_file import load_config  # noqa: E402
+from sarathi_pp.config_file import load_config, parse_set_value  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "configs" / "workloads" / "mixed.yaml"
@@ -43,12 +43,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help=f"the first {QUICK_REQUESTS} requests")
     p.add_argument("--pp", default="1,2", help="PP sizes, comma-separated (default 1,2)")
     p.add_argument("--run-dir", default=None, help="keep the bench run dirs here (DIR/ppN)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="sarathi-pp settings on top of the configs (repeatable), e.g. the defaults "
+        "before balanced micro-batches: --set scheduler.balance_microbatches=false "
+        "--set parallel.num_microbatches_in_flight=null",
+    )  # fmt: skip
     add_record_flag(p)
     return p.parse_args(argv)
 
 
-def bench_one(pp: int, workload: Any, run_dir: Path) -> dict[str, Any]:
-    config = load_config(CONFIGS[pp])
+def overrides(items: list[str]) -> dict[str, Any]:
+    """``--set`` items as ``section.key`` overrides."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            raise SystemExit(f"error: --set expects SECTION.KEY=VALUE, got {item!r}")
+        out[key] = parse_set_value(value)
+    return out
+
+
+def bench_one(pp: int, workload: Any, run_dir: Path, sets: dict[str, Any]) -> dict[str, Any]:
+    config = load_config(CONFIGS[pp]).replace(**sets)
     options = BenchOptions(
         schedulers=(config.scheduler.policy,), run_dir=run_dir, peers=("vllm",),
         overwrite=True, progress=False,
@@ -97,13 +114,19 @@ def main(argv: list[str] | None = None) -> None:
     pps = [int(x) for x in args.pp.split(",")]
     if any(pp not in CONFIGS for pp in pps):
         raise SystemExit(f"error: --pp: sizes {sorted(CONFIGS)} only, got {args.pp}")
+    sets = overrides(args.set)
+    for pp in pps:  # a bad --set fails here, before any run
+        try:
+            load_config(CONFIGS[pp]).replace(**sets)
+        except (ValueError, TypeError) as e:
+            raise SystemExit(f"error: --set: {e}") from None
     print(f"workload: {workload.describe()}")
     with tempfile.TemporaryDirectory(prefix="vs-vllm-") as tmp:
         base = Path(args.run_dir) if args.run_dir else Path(tmp)
         for pp in pps:
-            record(run, pp, bench_one(pp, workload, base / f"pp{pp}"))
+            record(run, pp, bench_one(pp, workload, base / f"pp{pp}", sets))
     run.settings.update(
-        workload=workload.describe(), pp=pps, ours="SARATHI, chunk 256, block 16",
+        workload=workload.describe(), pp=pps, ours="SARATHI, chunk 256, block 16", sets=args.set,
         vllm="its defaults: max_num_batched_tokens, block_size; KV sized for the workload",
     )  # fmt: skip
     run.note("Both engines one after the other, each timed from its request metrics (first "

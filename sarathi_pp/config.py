@@ -199,6 +199,24 @@ class SchedulerConfig:
     max_waiting: int | None = None
     """Most requests waiting to be admitted; a request past it is refused with
     ``QueueFullError`` (an HTTP server answers 429). ``None`` = unbounded."""
+    balance_microbatches: bool = True
+    """Decodes shared evenly across the micro-batches in flight, every policy: a
+    micro-batch takes ``min(ceil(R / M), ceil(r / f))`` decodes, R the running sequences
+    past their prompt, M the in-flight limit in force, r the decodes ready now and f the
+    micro-batches that may still be issued (M less those in flight, at least one), so the
+    decode counts of the micro-batches in flight differ by at most one. ``false``: the rule
+    before it, ``ceil(R / M)`` with the prompts in prefill counted in R (5 decodes over 4
+    micro-batches went 2, 2, 1 and none), for measuring against."""
+    prefill_pacing: bool = False
+    """``sarathi``: a micro-batch's prefill tokens paced by the prefill work pending (as
+    gLLM's token throttling), ``max(tile_size, ceil(W / M))`` at most (never above the
+    budget), W the prompt tokens left to issue of the admitted prompts plus those of the
+    arrived waiting ones that the free KV blocks hold, M the in-flight limit in force;
+    only while at least M sequences decode. The last prompts' chunks then spread over the
+    micro-batches in flight instead of filling the first and leaving the others
+    decode-only, and prefill work reaches into what would be the decode-only tail. Off by
+    default: it delays a prompt's last chunks, so the time to the first token rises (the
+    design page "Schedulers" says where it pays)."""
 
     @property
     def chunks_prompts(self) -> bool:
@@ -237,6 +255,12 @@ class SchedulerConfig:
         _check_opt_int("max_waiting", self.max_waiting, 1)
         if not isinstance(self.tile_align, bool):
             raise ValueError(f"tile_align must be true or false, got {self.tile_align!r}")
+        if not isinstance(self.balance_microbatches, bool):
+            raise ValueError(
+                f"balance_microbatches must be true or false, got {self.balance_microbatches!r}"
+            )
+        if not isinstance(self.prefill_pacing, bool):
+            raise ValueError(f"prefill_pacing must be true or false, got {self.prefill_pacing!r}")
 
 
 @dataclass(frozen=True)
@@ -253,8 +277,14 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Accepted as in vLLM; only 1 (no tensor parallelism: split a model over pipeline
     stages instead)."""
-    num_microbatches_in_flight: int | None = None
-    """Plans outstanding at once; ``None`` = ``pipeline_parallel_size``."""
+    num_microbatches_in_flight: int | str | None = "auto"
+    """Micro-batches outstanding at once. ``auto`` (throughput first): one stage, 1; P >= 2
+    stages, P + 1 in all: the one above P hides the loop back through the driver (tokens
+    back, scheduling, dispatch) behind the next micro-batch's compute; where scheduling
+    ahead is on, the micro-batch ahead is that one, so P plus the one ahead
+    (``ParallelConfig.in_flight_limit``). Latency first (each decode waits for
+    the fewest micro-batches, the lowest TBT while prompts remain): ``null`` =
+    ``pipeline_parallel_size``, or any number."""
     num_decode_microbatches_in_flight: int | None = None
     """The limit while every micro-batch is decode-only (no prompt has tokens left to issue
     and no arrived request waits); ``None`` = ``pipeline_parallel_size``, never more than
@@ -297,7 +327,14 @@ class ParallelConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size!r}: tensor parallelism is not "
                 f"supported, only 1; split the model over stages with pipeline_parallel_size"
             )
-        _check_opt_int("num_microbatches_in_flight", self.num_microbatches_in_flight, 1)
+        if self.num_microbatches_in_flight != "auto":
+            try:
+                _check_opt_int("num_microbatches_in_flight", self.num_microbatches_in_flight, 1)
+            except ValueError:
+                raise ValueError(
+                    f"num_microbatches_in_flight must be an integer >= 1, 'auto' or null, "
+                    f"got {self.num_microbatches_in_flight!r}"
+                ) from None
         _check_opt_int(
             "num_decode_microbatches_in_flight", self.num_decode_microbatches_in_flight, 1
         )
@@ -361,7 +398,27 @@ class ParallelConfig:
 
     @property
     def microbatches_in_flight(self) -> int:
-        return self.num_microbatches_in_flight or self.pipeline_parallel_size
+        """``num_microbatches_in_flight`` resolved without the placement: ``auto`` as P + 1
+        for P >= 2 stages (the most it may be: with scheduling ahead on, the engine keeps P
+        and the one ahead, ``in_flight_limit``)."""
+        m = self.num_microbatches_in_flight
+        if m == "auto":
+            p = self.pipeline_parallel_size
+            return p + 1 if p > 1 else 1
+        assert m is None or isinstance(m, int), m
+        return m or self.pipeline_parallel_size
+
+    def in_flight_limit(self, schedule_ahead: bool) -> int:
+        """The engine's in-flight limit, the micro-batch ahead not counted, once the
+        placement has decided ``schedule_ahead``: an explicit ``num_microbatches_in_flight``
+        as set; ``auto``: 1 for one stage, else P + 1 in all with P stages. The micro-batch
+        above P hides the loop back through the driver (tokens back, scheduling, dispatch)
+        behind the next one's compute, about halving sarathi's bubble on 2 stages (the
+        design page "The control plane", "What to choose"); with ``schedule_ahead`` the
+        micro-batch ahead does that already, so P (plus it)."""
+        if self.num_microbatches_in_flight == "auto" and schedule_ahead:
+            return self.pipeline_parallel_size
+        return self.microbatches_in_flight
 
     @property
     def decode_microbatches_in_flight(self) -> int:
@@ -447,6 +504,8 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_waiting": ("scheduler", "max_waiting"),
+    "balance_microbatches": ("scheduler", "balance_microbatches"),
+    "prefill_pacing": ("scheduler", "prefill_pacing"),
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
     "data_parallel_size": ("parallel", "data_parallel_size"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),

@@ -125,10 +125,17 @@ class LLMEngine(PipelineRecovery, ReplicaHandoff):
         # (``_inflight_limit``).
         ahead = self.executor.schedule_ahead
         self.schedule_ahead = ahead.on
-        self.max_inflight = config.parallel.microbatches_in_flight + int(self.schedule_ahead)
+        # ``num_microbatches_in_flight: auto``: P + 1 in all (the one ahead, if any, included)
+        self.microbatches_in_flight = config.parallel.in_flight_limit(ahead.on)
+        self.max_inflight = self.microbatches_in_flight + int(self.schedule_ahead)
         if config.parallel.pipeline_parallel_size > 1:
             state = "on" if self.schedule_ahead else "off"
             logger.info("scheduling ahead %s (%s)", state, ahead.source)
+            logger.info(
+                "micro-batches in flight: %d%s (num_microbatches_in_flight=%s)",
+                self.microbatches_in_flight, " + 1 ahead" if self.schedule_ahead else "",
+                config.parallel.num_microbatches_in_flight,
+            )  # fmt: skip
         self.num_stages = config.parallel.pipeline_parallel_size
         self.scheduler = self._create_scheduler(config.scheduler)
 
@@ -182,7 +189,7 @@ class LLMEngine(PipelineRecovery, ReplicaHandoff):
             )  # fmt: skip
         return create_scheduler(
             config, self.num_kv_blocks, self.block_size, self.max_model_len,
-            self.config.parallel.microbatches_in_flight,  # decode groups: not the one ahead
+            self.microbatches_in_flight,  # decode groups: not the one ahead
             b, first_microbatch_id, self.config.parallel.decode_microbatches_in_flight,
             self.config.cache.enable_prefix_caching,
         )  # fmt: skip

@@ -359,7 +359,7 @@ def with_activations(
         return stages
     shape = LayerShape.of(spec, tp, placement.dtype)
     rows = max_rows(config.scheduler, max_model_len)
-    in_flight = config.parallel.microbatches_in_flight + int(schedule_ahead)
+    in_flight = config.parallel.in_flight_limit(schedule_ahead) + int(schedule_ahead)
     last = placement.num_stages - 1
     sampled = config.scheduler.max_num_seqs
     return [

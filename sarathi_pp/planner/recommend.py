@@ -125,6 +125,7 @@ class Plan:
     limits: ChunkLimits
     chunk: ChunkPlan
     coverage: DecodeCoverage | None
+    schedule_ahead: bool = False  # the placement's decision (the in-flight limit follows)
 
     @property
     def spec(self) -> ModelSpec:
@@ -140,7 +141,7 @@ class Plan:
 
     @property
     def num_microbatches_in_flight(self) -> int:
-        return self.config.parallel.microbatches_in_flight
+        return self.config.parallel.in_flight_limit(self.schedule_ahead)
 
     @property
     def binds(self) -> str:
@@ -192,7 +193,7 @@ def make_plan(
         config.cache, stages, blocks, block_size, max_model_len, max_num_seqs
     )
     limits = chunk_limits(config, profile, max_overhead)
-    in_flight = config.parallel.microbatches_in_flight
+    in_flight = config.parallel.in_flight_limit(schedule_ahead)  # as the engine
     chunk = planned_chunk_size(
         workload.pd_ratio,
         decode_batch,
@@ -213,5 +214,5 @@ def make_plan(
         )
     return Plan(
         config, checkpoint, placement, bounds, batch, blocks, block_seqs, decode_batch,
-        workload, limits, chunk, coverage,
+        workload, limits, chunk, coverage, schedule_ahead,
     )  # fmt: skip

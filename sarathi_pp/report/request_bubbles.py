@@ -7,6 +7,10 @@ stage's share is ``(finish - first_scheduled) - its compute inside that span``. 
 that waits behind others in a busy pipeline sees little; one whose micro-batches leave
 stages waiting (long and short micro-batches in turn, the runtime's own gaps) sees more.
 
+``phase_bubble_times``: the same, cut at the prefill split (``bubbles.PrefillSplit``):
+each request's bubble time while prefills remain (before the cut) and after the last
+prefill (the decode-only tail), a request counted in a phase only if it lived in it.
+
 The requests' instants (``requests.csv``, relative to the first arrival) are put on the
 event log's clock by its ``requests_t0`` record; a log without one (an older run) gives
 no figure (``None``).
@@ -41,9 +45,14 @@ class StageBusy:
         return (b - a) - (self.busy_until(b) - self.busy_until(a))
 
 
-def request_bubble_times(log: RunLog, rows: list[RequestRow]) -> list[float] | None:
+def request_bubble_times(
+    log: RunLog,
+    rows: list[RequestRow],
+    span: tuple[float, float] = (float("-inf"), float("inf")),
+) -> list[float] | None:
     """Each scheduled and finished request's bubble time (seconds), in row order; ``None``
-    when the log cannot place the requests on its clock."""
+    when the log cannot place the requests on its clock. ``span`` (the log's clock): only
+    the part of each request's life inside it, and only the requests that lived in it."""
     if log.requests_t0 is None:
         return None
     stages = [
@@ -54,6 +63,16 @@ def request_bubble_times(log: RunLog, rows: list[RequestRow]) -> list[float] | N
     for r in rows:
         if r.first_scheduled_s is None or r.finished_s is None:
             continue
-        a, b = t0 + r.first_scheduled_s, t0 + r.finished_s
-        out.append(sum(s.idle(a, b) for s in stages) / len(stages))
+        a, b = max(t0 + r.first_scheduled_s, span[0]), min(t0 + r.finished_s, span[1])
+        if b > a:
+            out.append(sum(s.idle(a, b) for s in stages) / len(stages))
     return out
+
+
+def phase_bubble_times(
+    log: RunLog, rows: list[RequestRow], cut: float
+) -> tuple[list[float], list[float]] | None:
+    """The requests' bubble times before ``cut`` (prefills remain) and after it (the tail)."""
+    before = request_bubble_times(log, rows, (float("-inf"), cut))
+    after = request_bubble_times(log, rows, (cut, float("inf")))
+    return None if before is None or after is None else (before, after)

@@ -15,10 +15,13 @@ Layout (times in seconds)::
               drain_s, fill_drain_s, num_microbatches, microbatches_by_kind: {kind: count}}
     requests: see ``request_metrics.request_summary``, and ``bubble_time_s`` (p50, p90,
             p99, max, mean; all null for an older log: ``request_bubbles``)
-    prefill_split: {cut_s, while_prefills, decode_only, decode_only_share}
+    prefill_split: {cut_s, while_prefills, decode_only, decode_only_share,
+                    request_bubble_time_s: {while_prefills, decode_only}}
             # the window cut where the last prefill left stage 0 (``bubbles.PrefillSplit``):
             # the bubble fraction of all stages before and after (null: that part is empty),
-            # and the share of the window after; absent from an older summary
+            # and the share of the window after; absent from an older summary.
+            # request_bubble_time_s: each phase's per-request bubble time (p50, p90, p99,
+            # max, mean over the requests that lived in it: ``phase_bubble_times``)
     chunk_size: {auto, initial, final, min, max, num_changes, changes: [[t_s, chunk_size]]}
             # the token budget over the run, from the log's chunk_size records (``changes``
             # lists every record, the first is the budget at the first micro-batch); null
@@ -45,7 +48,7 @@ from sarathi_pp.report.bubbles import (
     StageBubbles,
 )
 from sarathi_pp.report.log import KINDS, RunLog
-from sarathi_pp.report.request_bubbles import request_bubble_times
+from sarathi_pp.report.request_bubbles import phase_bubble_times, request_bubble_times
 from sarathi_pp.report.request_metrics import RequestRow, distribution, request_summary
 
 SUMMARY_VERSION = 1
@@ -64,7 +67,7 @@ def build_summary(log: RunLog, analysis: BubbleAnalysis, rows: list[RequestRow])
         "window": _span(w.start, w.end),
         "stages": stages,
         "overall": _overall(analysis.stages, log),
-        "prefill_split": analysis.prefill_split.as_dict(),
+        "prefill_split": prefill_split_entry(log, analysis, rows),
         "requests": requests_entry(log, rows),
         "chunk_size": chunk_size_summary(log),
         "attention": attention_summary(log),
@@ -82,6 +85,21 @@ def attention_summary(log: RunLog) -> list[dict[str, Any]] | None:
         backend, fallbacks = log.attention.get(s, (None, ()))
         out.append({"stage": s, "backend": backend, "fallbacks": list(fallbacks)})
     return out
+
+
+def prefill_split_entry(
+    log: RunLog, analysis: BubbleAnalysis, rows: list[RequestRow]
+) -> dict[str, Any]:
+    """The prefill split with each phase's per-request bubble time."""
+    phases = phase_bubble_times(log, rows, analysis.prefill_split.cut)
+    before, after = phases or ([], [])
+    return {
+        **analysis.prefill_split.as_dict(),
+        "request_bubble_time_s": {
+            "while_prefills": distribution(before),
+            "decode_only": distribution(after),
+        },
+    }
 
 
 def requests_entry(log: RunLog, rows: list[RequestRow]) -> dict[str, Any]:

@@ -148,11 +148,19 @@ def prefill_split_text(summary: dict[str, Any]) -> str | None:
     p = summary.get("prefill_split")
     if not p or p["while_prefills"] is None or p["decode_only"] is None:
         return None
-    return (
+    text = (
         f"bubble while prefills remain {p['while_prefills']:.1%}, after the last prefill "
         f"(at {p['cut_s']:.3f} s; decode-only micro-batches, {p['decode_only_share']:.0%} "
         f"of the window) {p['decode_only']:.1%}"
     )
+    per_request = p.get("request_bubble_time_s") or {}
+    before, after = per_request.get("while_prefills"), per_request.get("decode_only")
+    if before and after and before["p50"] is not None and after["p50"] is not None:
+        text += (
+            f"; per request p50/p99 {before['p50']:.4f}/{before['p99']:.4f} s while prefills "
+            f"remain, {after['p50']:.4f}/{after['p99']:.4f} s after"
+        )
+    return text
 
 
 def _request_rows(req: dict[str, Any]) -> list[str]:

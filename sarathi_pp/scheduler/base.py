@@ -81,6 +81,7 @@ class Scheduler(ABC):
             num_microbatches_in_flight,
         )
         self._decode_groups = num_microbatches_in_flight  # this schedule()'s limit
+        self._num_inflight = 0  # micro-batches issued and not done (``_decode_share``)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()  # FCFS; preempted sequences go to the front
         self.running: list[Sequence] = []  # admitted, oldest admission first
@@ -244,6 +245,7 @@ class Scheduler(ABC):
         (run without them), so none of their blocks is published from now on (an aborted
         sequence's chunks in flight still run: its failure is not only ``FINISHED_ERROR``)."""
         bm = self.block_manager
+        self._num_inflight = max(0, self._num_inflight - 1)
         for chunk in microbatch.chunks:
             seq = self.seqs_by_id(chunk.seq_id)
             seq.num_inflight -= 1
@@ -271,6 +273,7 @@ class Scheduler(ABC):
         stage to forget (``released``) go with the next micro-batch instead: a stage that
         survived would otherwise keep their penalty state for good. Returns the sequences
         requeued."""
+        self._num_inflight = 0  # ``microbatches`` is every one in flight
         lost_released = [i for mb in microbatches for i in mb.released]
         self._released[:0] = [i for i in lost_released if i not in self._released]
         ids = {c.seq_id for mb in microbatches for c in mb.chunks}
@@ -369,8 +372,24 @@ class Scheduler(ABC):
     def _decode_share(self) -> int:
         """Most decodes one micro-batch takes: its share of the running sequences, so that
         the micro-batches in flight are alike instead of the first one holding every decode
-        and the ones behind it none (the same rule for every policy)."""
-        return max(1, -(-len(self.running) // self._decode_groups))
+        and the ones behind it none (the same rule for every policy).
+
+        Balanced (``scheduler.balance_microbatches``): at most ``ceil(R / M)`` (R the
+        running sequences past their prompt, M the limit in force) and at most the ready
+        decodes r spread over the f micro-batches that may still be issued, ``ceil(r / f)``.
+        Without the second bound, 5 decodes over 4 micro-batches went 2, 2, 1 and none;
+        with it, 2, 1, 1, 1. Without the first, a limit that drops (``microbatch_limit``)
+        would let one micro-batch take the decodes of several for good. O(running)."""
+        if not self.config.balance_microbatches:
+            return max(1, -(-len(self.running) // self._decode_groups))
+        num_decoding = len(self.running) - len(self._partial_prefills())
+        cap = -(-num_decoding // self._decode_groups)
+        ahead = self._ring_upto >= 0
+        num_ready = sum(
+            1 for s in self.running if s.is_decode or (ahead and self._can_decode_ahead(s))
+        )
+        num_free = max(1, self._decode_groups - self._num_inflight)
+        return max(1, min(cap, -(-num_ready // num_free)))
 
     def _partial_prefills(self) -> list[Sequence]:
         """Admitted sequences whose prompt (or recompute) is not fully issued yet."""
@@ -490,6 +509,7 @@ class Scheduler(ABC):
         microbatch = MicroBatch(self._next_microbatch_id, tuple(chunks), tuple(self._released))
         self._released.clear()
         self._next_microbatch_id += 1
+        self._num_inflight += 1
         return microbatch
 
     def _issue(self, seq: Sequence, n: int) -> ScheduledChunk:

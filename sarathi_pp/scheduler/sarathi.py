@@ -5,6 +5,16 @@ force, fixed or ``chunk_size: auto``'s current value). The running decodes go fi
 are nearly free when they ride along a prefill chunk's matmuls); the rest of the budget
 takes the next chunk of the prefill in progress and then of waiting requests (FCFS). With
 ``tile_align`` the prefill is trimmed so that ``Lp + Bd`` is a multiple of ``tile_size``.
+
+Balanced to the end: the decodes are shared across the micro-batches in flight
+(``scheduler.balance_microbatches``, on by default; ``Scheduler._decode_share``: counts
+within one of each other) and, with ``scheduler.prefill_pacing`` (off by default), the
+prefill tokens paced by the prefill work pending: at most
+``max(tile_size, ceil(W / M))``, W the prompt tokens left to issue (admitted prompts, and
+the arrived waiting ones the free KV blocks hold), M the micro-batches in flight, while at
+least M sequences decode. The last prompts' chunks then spread over the micro-batches in flight instead of filling the first
+and leaving the ones behind it decode-only, and prefill work reaches into what would be the
+decode-only tail (as gLLM's token throttling, SC'25).
 """
 
 from __future__ import annotations
@@ -19,6 +29,8 @@ class SarathiScheduler(Scheduler):
         selection: Selection = []
         picked: set[int] = set()
         budget -= self._take_decodes(selection, picked, min(budget, self._decode_share()))
+        if self.config.prefill_pacing:
+            budget = min(budget, self._prefill_pace(now))
         self._take_prefills(selection, picked, budget, now)
         if self.config.tile_align:
             selection = self._trim_to_tile(selection)
@@ -71,6 +83,26 @@ class SarathiScheduler(Scheduler):
             picked.add(seq.seq_id)
             budget -= n
             free_slots -= self._new_slots(seq, n)
+
+    def _prefill_pace(self, now: float) -> int:
+        """Most prefill tokens this micro-batch takes: ``max(tile_size, ceil(W / M))``, W
+        the prefill tokens pending (those the free KV blocks allow), M the in-flight limit
+        in force; no limit while fewer than M sequences decode (the micro-batches in flight
+        cannot all carry decodes then, and a prompt split further only waits longer for its
+        first token). O(running + the bounded waiting look, ``_arrived_waiting``)."""
+        partial = self._partial_prefills()
+        if len(self.running) - len(partial) < self._decode_groups:
+            return self.chunk_size
+        pending = sum(s.num_pending_tokens for s in partial)
+        bs = self.block_manager.block_size
+        free_slots = self.block_manager.num_free_blocks * bs
+        for seq in self._arrived_waiting(now):
+            need = -(-seq.num_pending_tokens // bs) * bs
+            if need > free_slots:
+                break  # FCFS: the prompts behind it do not start before it
+            free_slots -= need
+            pending += seq.num_pending_tokens
+        return max(self.config.tile_size, -(-pending // self._decode_groups))
 
     def _slots_for(self, seq: Sequence, free_slots: int) -> int:
         bs = self.block_manager.block_size

@@ -57,12 +57,18 @@ def test_pp2_matches_hf_and_pp1(pp2, llama_dir, scheduler, chunk_size, tile_alig
     prompts = make_prompts()
     outs = pp2.generate(prompts, GREEDY, use_tqdm=False)
     check_against_hf(llama_dir, outs, prompts)
-    assert pp2.engine.max_inflight == 2
+    # num_microbatches_in_flight: auto: the stages and one more (the one ahead where the
+    # driver has a core of its own, else one more of the engine's own)
+    assert pp2.engine.max_inflight == 3
 
 
-def test_pp2_equals_pp1_exactly(pp2, llama_dir):
-    """Splitting layers over processes changes no arithmetic: identical tokens, no tie rule."""
-    pp2.engine.set_scheduler(policy="sarathi", chunk_size=32, tile_align=False)
+@pytest.mark.parametrize("pacing", [False, True])
+def test_pp2_equals_pp1_exactly(pp2, llama_dir, pacing):
+    """Splitting layers over processes changes no arithmetic: identical tokens, no tie rule;
+    with the prefill paced into the micro-batches in flight too (``prefill_pacing``)."""
+    pp2.engine.set_scheduler(
+        policy="sarathi", chunk_size=32, tile_align=False, tile_size=8, prefill_pacing=pacing
+    )
     prompts = make_prompts(seed=4)
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in pp2.generate(prompts, sp, use_tqdm=False)]
@@ -287,9 +293,9 @@ def test_torchrun_logprobs_n_and_penalties_equal_pp1(llama_dir, tmp_path):
     "scheduler, chunk_size, in_flight", [("sarathi", 256, None), ("sarathi", 8, 3), ("vllm", 8, 3)]
 )
 def test_torchrun_matches_pp1(llama_dir, tmp_path, scheduler, chunk_size, in_flight):
-    """Rank 0 drives the ranks with the engine's own limits: the default (one micro-batch
-    per stage), and one more in flight than stages with prompts in chunks (the decode limit
-    taking over after the last chunk) or whole (vllm)."""
+    """Rank 0 drives the ranks with the engine's own limits: the default (``auto``: one
+    more micro-batch in flight than stages) and that set explicitly, with prompts in chunks
+    (the decode limit taking over after the last chunk) or whole (vllm)."""
     prompts = ["Hello", "The pipeline has two stages", "x", "a longer prompt " * 4]
     out = tmp_path / "out.jsonl"
     cmd = torchrun_command(

@@ -18,7 +18,7 @@ from sarathi_pp.report import write_report
 KW = dict(max_model_len=256, dtype="float32")
 
 
-@pytest.mark.parametrize("num_stages, in_flight", [(2, None), (2, 3), (3, None)])
+@pytest.mark.parametrize("num_stages, in_flight", [(2, None), (2, 3), (3, None), (2, "auto")])
 def test_ahead_pipeline_equals_one_stage_for_every_policy(
     ray_cluster, llama3_rope_dir, num_stages, in_flight
 ):
@@ -28,7 +28,7 @@ def test_ahead_pipeline_equals_one_stage_for_every_policy(
         str(llama3_rope_dir), **KW, pipeline_parallel_size=num_stages, schedule_ahead=True,
         num_microbatches_in_flight=in_flight,
     ) as llm:  # fmt: skip
-        m = in_flight or num_stages
+        m = num_stages if in_flight == "auto" else in_flight or num_stages  # auto: P + ahead
         assert llm.engine.schedule_ahead and llm.engine.max_inflight == m + 1
         ahead = record_ahead(llm.engine)
         for policy in SCHEDULERS:

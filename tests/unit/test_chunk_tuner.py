@@ -255,7 +255,7 @@ def test_report_shows_the_budget_over_time(sim_model_dir, tmp_path: Path):
     d = sim_runs.run(
         tmp_path / "auto", sim_model_dir, reqs, sim_runs.constant_s(0.01), report=True,
         chunk_size="auto", min_chunk_size=128, max_chunk_size=512, auto_chunk_window=1,
-        max_num_seqs=8,
+        max_num_seqs=8, num_microbatches_in_flight=2,
     )  # fmt: skip
     records = [r for r in sim_runs.events(d) if r["type"] == "chunk_size"]
     changes = [[r["t"], r["chunk_size"]] for r in records]

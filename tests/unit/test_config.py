@@ -45,7 +45,7 @@ def test_flat_keywords_land_in_their_sections():
     assert cfg.scheduler.policy == "vllm" and cfg.scheduler.chunk_size == 512
     assert cfg.scheduler.max_num_seqs == 8 and cfg.scheduler.tile_align is False
     assert cfg.cache.block_size == 32 and cfg.cache.num_kv_blocks == 100
-    assert cfg.parallel.pipeline_parallel_size == 4 and cfg.parallel.microbatches_in_flight == 4
+    assert cfg.parallel.pipeline_parallel_size == 4 and cfg.parallel.microbatches_in_flight == 5
 
 
 def test_dotted_keys_and_replace():
@@ -109,7 +109,11 @@ def test_unknown_dotted_key_names_it_and_lists_allowed():
         (dict(num_microbatches_in_flight=0), "num_microbatches_in_flight.*0"),
         (dict(num_decode_microbatches_in_flight=0), "num_decode_microbatches_in_flight.*0"),
         (
-            dict(pipeline_parallel_size=2, num_decode_microbatches_in_flight=3),
+            dict(
+                pipeline_parallel_size=2,
+                num_microbatches_in_flight=2,
+                num_decode_microbatches_in_flight=3,
+            ),
             "num_decode_microbatches_in_flight=3 exceeds num_microbatches_in_flight=2",
         ),
         (dict(model=""), "model.*''"),
@@ -199,3 +203,35 @@ def test_same_key_set_twice_is_rejected():
     ):
         make_config(chunk_size=8, **{"scheduler.chunk_size": 16})
     assert make_config(chunk_size=8, tile_size=8).scheduler.chunk_size == 8  # different keys
+
+
+@pytest.mark.parametrize(
+    "stages, setting, ahead, limit",
+    [
+        (1, "auto", False, 1),  # one stage: nothing to overlap
+        (2, "auto", False, 3),  # P + 1: the one above P hides the loop back
+        (4, "auto", False, 5),
+        (2, "auto", True, 2),  # the micro-batch ahead is that one: P, plus it
+        (4, "auto", True, 4),
+        (2, None, False, 2),  # latency first: the stages
+        (2, None, True, 2),
+        (2, 3, True, 3),  # a number is kept as set
+        (3, 1, False, 1),
+    ],
+)
+def test_microbatches_in_flight_auto_rule(stages, setting, ahead, limit):
+    p = make_config(pipeline_parallel_size=stages, num_microbatches_in_flight=setting).parallel
+    assert p.in_flight_limit(schedule_ahead=ahead) == limit
+    assert p.microbatches_in_flight >= limit  # the bound the stages and the planner size by
+
+
+def test_bare_pipeline_gets_auto_in_flight():
+    p = make_config(pipeline_parallel_size=2).parallel
+    assert p.num_microbatches_in_flight == "auto" and p.microbatches_in_flight == 3
+    assert p.decode_microbatches_in_flight == 2  # the decode-only tail keeps the stages
+
+
+@pytest.mark.parametrize("bad", ["many", 0, 1.5, True])
+def test_microbatches_in_flight_bad_values(bad):
+    with pytest.raises(ValueError, match=f"num_microbatches_in_flight must be .* got {bad!r}"):
+        make_config(pipeline_parallel_size=2, num_microbatches_in_flight=bad)

@@ -156,7 +156,13 @@ def test_shapes_alone_are_no_compute_stalls(sim_model_dir, tmp_path: Path):
     outputs = [1] * 6 + [12] * 8 + [1 + i // 2 for i in range(64)]
     arrivals = [3.0 * i for i in range(6)] + [20.0 + 0.15 * i for i in range(8)] + [40.0] * 64
     reqs = sim_runs.requests(prompts, outputs, arrivals)
-    d = sim_run(tmp_path / "shapes", sim_model_dir, reqs, compute_s, chunk_size=1024)
+    # balance_microbatches off and one micro-batch in flight per stage: a lone prompt goes
+    # whole into one micro-batch (paced, it would be spread over those in flight), so every
+    # shape of the list is there
+    d = sim_run(
+        tmp_path / "shapes", sim_model_dir, reqs, compute_s, chunk_size=1024,
+        balance_microbatches=False, prefill_pacing=False, num_microbatches_in_flight=2,
+    )  # fmt: skip
     events = load_log(d / "events.jsonl").stages[0]
     assert {e.num_prefill_tokens for e in events if e.kind == "prefill"} >= {128, 512, 1024}
     assert {e.num_prefill_tokens for e in events if e.kind == "hybrid"} >= {17, 511, 1023}

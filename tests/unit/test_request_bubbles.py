@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from sarathi_pp.report.log import parse_log
-from sarathi_pp.report.request_bubbles import StageBusy, request_bubble_times
-from sarathi_pp.report.request_metrics import RequestRow
+from sarathi_pp.report.request_bubbles import StageBusy, phase_bubble_times, request_bubble_times
+from sarathi_pp.report.request_metrics import RequestRow, distribution
 from sarathi_pp.report.summary import requests_entry
+from sarathi_pp.report.text import prefill_split_text
 
 
 def stage(s: int, mb: int, start: float, end: float) -> dict:
@@ -59,3 +60,26 @@ def test_an_older_log_gives_no_figure():
     rows = [row("a", 0.0, 3.0)]
     assert request_bubble_times(log(requests_t0=None), rows) is None
     assert requests_entry(log(requests_t0=None), rows)["bubble_time_s"]["p50"] is None
+
+
+def test_bubble_time_per_phase_by_hand():
+    rows = [row("a", 0.0, 3.0), row("b", 1.6, 2.4), row("c", None, None)]
+    # cut at 2.0 (log clock): a lives on both sides, b only after it
+    before, after = phase_bubble_times(log(requests_t0=0.5), rows, cut=2.0)
+    # a before [0.5, 2]: stage 0 idle 1.0, stage 1 idle 0.5; after [2, 3.5]: 0.5 and 1.0
+    assert before == pytest.approx([0.75])
+    assert after == pytest.approx([0.75, 0.4])
+    assert phase_bubble_times(log(requests_t0=None), rows, cut=2.0) is None
+
+
+def test_phase_split_text_prints_the_per_request_bubble_time():
+    split = {"cut_s": 2.0, "while_prefills": 0.05, "decode_only": 0.3, "decode_only_share": 0.2}
+    assert "per request" not in prefill_split_text({"prefill_split": split})  # older summary
+    split["request_bubble_time_s"] = {
+        "while_prefills": distribution([0.75]),
+        "decode_only": distribution([0.75, 0.4]),
+    }
+    text = prefill_split_text({"prefill_split": split})
+    assert text is not None and text.endswith(
+        "per request p50/p99 0.7500/0.7500 s while prefills remain, 0.5750/0.7465 s after"
+    ), text

@@ -154,8 +154,19 @@ class Checker:
         self.ready_decodes = {s.seq_id for s in self.sched.running if s.is_decode}
         self.known = {s.seq_id: s.num_tokens for s in self.sched.seqs.values()}
         # this micro-batch's share of the decodes: the running ones over the limit in force
-        groups = self.sched.microbatch_limit(now)
-        self.decode_share = max(1, -(-len(self.sched.running) // groups))
+        self.groups = self.sched.microbatch_limit(now)
+        self.decode_share = max(1, -(-len(self.sched.running) // self.groups))
+        prefilling = [s for s in self.sched.running if s.is_schedulable and not s.is_decode]
+        self.num_decoding = len(self.sched.running) - len(prefilling)
+
+    def _balanced_share(self, num_inflight: int) -> int:
+        """``balance_microbatches``: the decodes (past their prompt) over the limit, and the
+        ready ones over the micro-batches still to issue."""
+        if not self.cfg.balance_microbatches:
+            return self.decode_share
+        cap = -(-self.num_decoding // self.groups)
+        free = max(1, self.groups - num_inflight)
+        return max(1, min(cap, -(-len(self.ready_decodes) // free)))
 
     def check(self, microbatch: MicroBatch, inflight: deque[MicroBatch], now: float) -> None:
         cfg, sched = self.cfg, self.sched
@@ -168,7 +179,7 @@ class Checker:
         if cfg.policy in ("vllm", "simple_chunking"):
             assert microbatch.kind != "hybrid", microbatch
         if cfg.policy == "sarathi":
-            self._check_decodes_first(microbatch)
+            self._check_decodes_first(microbatch, len(inflight))
         if cfg.policy == "simple_chunking" and self.last_kind == "prefill":
             assert microbatch.kind == "decode" or not self._decodes_could_run(microbatch), (
                 f"a decode step must follow a prefill step: {microbatch}"
@@ -208,11 +219,11 @@ class Checker:
                 return True
         return False
 
-    def _check_decodes_first(self, microbatch: MicroBatch) -> None:
+    def _check_decodes_first(self, microbatch: MicroBatch, num_inflight: int) -> None:
         """A ready decode may be left out of a micro-batch with prefill rows only when the budget
         or the micro-batch's share of the decodes was full, or when it had no KV block (then it was
         preempted or had no victim)."""
-        limit = min(self.sched.chunk_size, self.decode_share)
+        limit = min(self.sched.chunk_size, self._balanced_share(num_inflight))
         if microbatch.num_prefill_tokens and microbatch.num_decode_tokens < limit:
             assert not self._decodes_could_run(microbatch), (
                 f"a ready decode left out of {microbatch}"

@@ -1,5 +1,5 @@
 """Property-based scheduler test (hypothesis): random sequences of add / step / abort /
-error / preempt / lose for every policy with 1-3 micro-batches in flight, prefix caching
+error / preempt / lose for every policy with 1-4 micro-batches in flight, prefix caching
 on and off (prompts that share prefixes), against the fake paged KV cache of
 ``test_scheduler`` (a slot holds its position and every token up to it, so a cache hit on
 the wrong block, or on a block not written yet, is a failed read).
@@ -148,19 +148,20 @@ class Harness:
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     policy=st.sampled_from(POLICIES),
-    num_inflight=st.integers(1, 3),
-    num_decode_inflight=st.integers(1, 3),  # at most num_inflight: the scheduler caps it
+    num_inflight=st.integers(1, 4),
+    num_decode_inflight=st.integers(1, 4),  # at most num_inflight: the scheduler caps it
     num_blocks=st.integers(13, 40),  # 13 blocks of 4 = 52 slots: the longest request fits
     chunk_size=st.integers(1, 48),
     caching=st.booleans(),
+    balance=st.booleans(),
     ops=st.lists(OPS, max_size=60),
 )
 def test_random_operations_keep_the_invariants(
-    policy, num_inflight, num_decode_inflight, num_blocks, chunk_size, caching, ops
+    policy, num_inflight, num_decode_inflight, num_blocks, chunk_size, caching, balance, ops
 ):
     sched = make_scheduler(
         policy, num_blocks, 4, num_inflight, num_decode_inflight, caching, chunk_size=chunk_size,
-        tile_align=False,
+        tile_align=False, tile_size=4, balance_microbatches=balance, prefill_pacing=balance,
     )  # fmt: skip
     h = Harness(sched, num_inflight)
     for op, *args in ops:
