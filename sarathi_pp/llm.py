@@ -57,6 +57,11 @@ class LLM:
         defaults (vLLM's): what ``generate`` and ``chat`` use without ``sampling_params``."""
         return self.engine.default_sampling_params()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name): the next requests prefill their whole
+        prompts. ``False``, and nothing forgotten, while requests are unfinished."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | list[Prompt],

@@ -179,6 +179,15 @@ class LLMEngine(PipelineRecovery, ReplicaHandoff):
         next_id = self.scheduler.next_microbatch_id
         self.scheduler = self._create_scheduler(self.config.scheduler, next_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``): later requests prefill
+        their whole prompt until blocks are cached again. ``False``, and nothing forgotten,
+        while a request is unfinished (its blocks are in use)."""
+        if self.has_unfinished_requests():
+            return False
+        self.scheduler.block_manager.reset_prefix_cache()
+        return True
+
     def _create_scheduler(self, config: SchedulerConfig, first_microbatch_id: int = 0) -> Scheduler:
         # B of chunk_size: auto's plan (see engine_decode_batch for which figure).
         b = None

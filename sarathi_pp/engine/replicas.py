@@ -154,6 +154,13 @@ class ReplicatedEngine:
             self.engines[i].set_scheduler(**overrides)
         self.config = self.config.replace(**{f"scheduler.{k}": v for k, v in overrides.items()})
 
+    def reset_prefix_cache(self) -> bool:
+        """``LLMEngine.reset_prefix_cache`` on every live replica; ``False`` (nothing
+        forgotten) while any request is unfinished."""
+        if self.has_unfinished_requests():
+            return False
+        return all([self.engines[i].reset_prefix_cache() for i in self.router.live])
+
     # --- requests --------------------------------------------------------------------
     def add_requests(self, requests: Iterable[RequestInput]) -> list[ProcessedRequest]:
         """``LLMEngine.add_requests`` over the replicas: every request checked and processed

@@ -148,3 +148,22 @@ def test_a_cache_salt_shares_blocks_only_with_its_own(llama_dir):
             llm.generate([{"prompt_token_ids": prompt, "cache_salt": ""}], GREEDY)
     assert [o.num_cached_tokens for o in outs] == [0, 0, (len(prompt) - 1) // 16 * 16, 0]
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+
+
+def test_reset_prefix_cache_forgets_what_was_cached(llama_dir):
+    prompts = shared_prompts(seed=3)[:3]
+    with LLM(str(llama_dir), dtype="float32", max_model_len=256) as llm:
+        first = llm.generate(prompts, GREEDY, use_tqdm=False)
+        again = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert all(o.num_cached_tokens for o in again)  # every prompt cached by the first run
+        llm.engine.add_request("busy", None, GREEDY, prompt_token_ids=prompts[0])
+        assert llm.reset_prefix_cache() is False  # a request holds blocks: nothing forgotten
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+        assert llm.engine.scheduler.block_manager.num_cached_blocks > 0
+        assert llm.reset_prefix_cache() is True
+        assert llm.engine.scheduler.block_manager.num_cached_blocks == 0
+        after = llm.generate(prompts, GREEDY, use_tqdm=False)
+        llm.engine.scheduler.block_manager.check()
+    assert [o.num_cached_tokens for o in after] == [o.num_cached_tokens for o in first]
+    assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in first]
