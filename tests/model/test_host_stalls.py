@@ -15,7 +15,7 @@ import torch
 
 from sarathi_pp import LLM, SamplingParams
 from sarathi_pp.stages.kernels.cpu import fused
-from sarathi_pp.stages.worker import model_runner, sampler
+from sarathi_pp.stages.worker import last_stage, sampler
 
 # greedy, and sampled with every per-row control the last stage applies on the device
 PARAMS = [
@@ -101,7 +101,7 @@ def test_a_run_reads_nothing_from_the_device_but_the_sampled_tokens(llama_dir, m
             assert DeviceStandIn.allowed_reads == 0, "the token copy did not read the device"
             DeviceStandIn.allowed_reads = 0
 
-    monkeypatch.setattr(model_runner, "tokens_to_host", token_copy)
+    monkeypatch.setattr(last_stage, "tokens_to_host", token_copy)
     executes: list[int] = []
 
     def instrument(runner):

@@ -37,7 +37,7 @@ class PinnedUpload:
         # pinned staging only where a device copy follows (pinning needs a CUDA context)
         self.pin = device.type == "cuda"
         # on CPU nothing is copied, so the host tensors are used as they are: packing them
-        # into one buffer would only cost time (~0.1 ms per micro-batch)
+        # into one buffer would only cost time (Note [one upload per micro-batch])
         self.packs = device.type != "cpu"
 
     def __call__(self, host: torch.Tensor) -> torch.Tensor:
