@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--microbatches-in-flight",
         type=in_flight_arg,
         default="auto",
-        help="auto (the library's default), stages (the default before auto) or a number",
+        help="auto (the library's default: the stages), stages or a number (3 on two "
+        "stages: throughput first)",
     )
     p.add_argument(
         "--balance",

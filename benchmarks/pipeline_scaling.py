@@ -133,8 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--microbatches-in-flight",
         type=in_flight_arg,
         default="auto",
-        help="the pipelined run's: auto (the library's default), stages (the default before "
-        "auto) or a number; PP=1 runs one (Note [PP=1 at M=1])",
+        help="the pipelined run's: auto (the library's default: the stages), stages or a "
+        "number (3 on two stages: throughput first); PP=1 runs one (Note [PP=1 at M=1])",
     )
     p.add_argument(
         "--balance",

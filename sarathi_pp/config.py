@@ -278,13 +278,14 @@ class ParallelConfig:
     """Accepted as in vLLM; only 1 (no tensor parallelism: split a model over pipeline
     stages instead)."""
     num_microbatches_in_flight: int | str | None = "auto"
-    """Micro-batches outstanding at once. ``auto`` (throughput first): one stage, 1; P >= 2
-    stages, P + 1 in all: the one above P hides the loop back through the driver (tokens
-    back, scheduling, dispatch) behind the next micro-batch's compute; where scheduling
-    ahead is on, the micro-batch ahead is that one, so P plus the one ahead
-    (``ParallelConfig.in_flight_limit``). Latency first (each decode waits for
-    the fewest micro-batches, the lowest TBT while prompts remain): ``null`` =
-    ``pipeline_parallel_size``, or any number."""
+    """Micro-batches outstanding at once. ``auto`` (TBT first; ``ParallelConfig.in_flight_limit``
+    states the rule): the stages, P, so a decode waits behind the fewest micro-batches;
+    where the placement turns scheduling ahead on, the micro-batch ahead comes on top and
+    hides the loop back through the driver (tokens back, scheduling, dispatch) without a
+    decode group more. Throughput first: a number, ``P + 1``: the micro-batch above P hides
+    the loop back where nothing is scheduled ahead, but every decode then waits behind one
+    micro-batch more, so the time between tokens grows by about one micro-batch (the design
+    page "The control plane", "What to choose", has the measurements). ``null`` = P."""
     num_decode_microbatches_in_flight: int | None = None
     """The limit while every micro-batch is decode-only (no prompt has tokens left to issue
     and no arrived request waits); ``None`` = ``pipeline_parallel_size``, never more than
@@ -398,26 +399,27 @@ class ParallelConfig:
 
     @property
     def microbatches_in_flight(self) -> int:
-        """``num_microbatches_in_flight`` resolved without the placement: ``auto`` as P + 1
-        for P >= 2 stages (the most it may be: with scheduling ahead on, the engine keeps P
-        and the one ahead, ``in_flight_limit``)."""
+        """``num_microbatches_in_flight`` resolved without the placement (``auto``: the
+        stages), the micro-batch ahead not counted: the bound the stages' pending sends, the
+        compiled graph and the planner size by."""
         m = self.num_microbatches_in_flight
         if m == "auto":
-            p = self.pipeline_parallel_size
-            return p + 1 if p > 1 else 1
+            return self.pipeline_parallel_size
         assert m is None or isinstance(m, int), m
         return m or self.pipeline_parallel_size
 
     def in_flight_limit(self, schedule_ahead: bool) -> int:
         """The engine's in-flight limit, the micro-batch ahead not counted, once the
-        placement has decided ``schedule_ahead``: an explicit ``num_microbatches_in_flight``
-        as set; ``auto``: 1 for one stage, else P + 1 in all with P stages. The micro-batch
-        above P hides the loop back through the driver (tokens back, scheduling, dispatch)
-        behind the next one's compute, about halving sarathi's bubble on 2 stages (the
-        design page "The control plane", "What to choose"); with ``schedule_ahead`` the
-        micro-batch ahead does that already, so P (plus it)."""
-        if self.num_microbatches_in_flight == "auto" and schedule_ahead:
-            return self.pipeline_parallel_size
+        placement has decided ``schedule_ahead``. ``auto``: P for P stages, ahead or not. A
+        micro-batch more than P (P + 1, set as a number) hides the loop back through the
+        driver behind the next one's compute where nothing is scheduled ahead, but adds a
+        group of decodes: each waits behind one micro-batch more, so TBT grows by about a
+        micro-batch's compute time while throughput gains only the loop back's share of a
+        step. Measured on the benchmarks' workloads, that trade lost (TBT p99 rose far more
+        than the bubble fell, and tokens/s stayed within noise: the design page "The control
+        plane"), so ``auto`` keeps the stages and leaves the loop back to the
+        micro-batch ahead where the placement turns it on."""
+        del schedule_ahead  # auto's choice is the same either way (see above)
         return self.microbatches_in_flight
 
     @property

@@ -125,7 +125,7 @@ class LLMEngine(PipelineRecovery, ReplicaHandoff):
         # (``_inflight_limit``).
         ahead = self.executor.schedule_ahead
         self.schedule_ahead = ahead.on
-        # ``num_microbatches_in_flight: auto``: P + 1 in all (the one ahead, if any, included)
+        # ``num_microbatches_in_flight: auto``: P, and the one ahead where it is on
         self.microbatches_in_flight = config.parallel.in_flight_limit(ahead.on)
         self.max_inflight = self.microbatches_in_flight + int(self.schedule_ahead)
         if config.parallel.pipeline_parallel_size > 1:

@@ -57,8 +57,8 @@ def test_compiled_pipeline_equals_one_stage_for_every_policy(
         str(llama3_rope_dir), **kw, pipeline_parallel_size=num_stages, executor="ray_compiled",
         num_microbatches_in_flight=in_flight,
     ) as llm:  # fmt: skip
-        # auto: no token ring in a compiled graph, so the stages and one more of its own
-        expected = num_stages + 1 if in_flight == "auto" else in_flight or num_stages
+        # auto: the stages (a compiled graph has no token ring: nothing ahead)
+        expected = num_stages if in_flight == "auto" else in_flight or num_stages
         assert llm.engine.max_inflight == expected
         for policy in SCHEDULERS:
             llm.engine.set_scheduler(policy=policy, chunk_size=16, tile_align=False)

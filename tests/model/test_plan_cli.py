@@ -103,12 +103,12 @@ def test_shipped_configs(capsys):
     # (4 GiB - 362_901_504) // (2048 x 16384) = 117; C = 8.667 x 116 = 1005; 1121 -> 1024
     assert (one["max_decode_batch"], one["chunk_size"], one["prefill_chunk"]) == (117, 1024, 1005)
     # num_microbatches_in_flight: auto, scheduling ahead off (as on a machine whose cores
-    # the stages' threads take): n = 3 in flight
+    # the stages' threads take): n = 2 in flight, the stages
     two = plan_json(capsys, ["--config", str(CONFIGS / "tiny-llama-pp2.yaml"), "--workload", mixed,
                              *NO_AHEAD])  # fmt: skip
-    # 4 layers a stage: m_kv 8192 -> 245; ceil(244 / 3) = 82; C = 711; 793 -> 768
-    assert (two["max_decode_batch"], two["num_decodes"], two["chunk_size"]) == (245, 82, 768)
-    assert two["num_microbatches_in_flight"] == 3
+    # 4 layers a stage: m_kv 8192 -> 245; ceil(244 / 2) = 122; C = 1057; 1179 -> 1152
+    assert (two["max_decode_batch"], two["num_decodes"], two["chunk_size"]) == (245, 122, 1152)
+    assert two["num_microbatches_in_flight"] == 2
     assert [s["layers"] for s in two["stages"]] == [[0, 4], [4, 8]]
     assert two["stages"][1]["param_bytes"] == two["stages"][0]["param_bytes"] + 4096  # norm
 
@@ -119,18 +119,18 @@ def test_text_and_snippet_load_into_the_config(capsys, tmp_path):
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "B = floor((M_G 4294967296 - M_S" in text and "(memory binds)" in text
-    assert "decodes per micro-batch = ceil((B - 1) / n) = ceil(244 / 3) = 82" in text
+    assert "decodes per micro-batch = ceil((B - 1) / n) = ceil(244 / 2) = 122" in text
     assert "n/a: needs --workload" in text  # a ratio alone can't count chunks
     out = tmp_path / "plan.yaml"
     assert main([*argv, "--output", str(out)]) == 0
     snippet = yaml.safe_load(out.read_text())
-    assert snippet == {"scheduler": {"chunk_size": 384, "tile_size": 128, "max_num_seqs": 245}}
+    assert snippet == {"scheduler": {"chunk_size": 512, "tile_size": 128, "max_num_seqs": 245}}
     assert out.read_text().startswith("# sarathi-pp plan: B = floor(")
     merged = yaml.safe_load(config_path.read_text())
     merged["scheduler"].update(snippet["scheduler"])
     (tmp_path / "merged.yaml").write_text(yaml.safe_dump(merged))
     config = load_config(tmp_path / "merged.yaml")
-    assert (config.scheduler.chunk_size, config.scheduler.max_num_seqs) == (384, 245)
+    assert (config.scheduler.chunk_size, config.scheduler.max_num_seqs) == (512, 245)
     assert config.parallel.pipeline_parallel_size == 2
 
 

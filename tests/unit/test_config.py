@@ -45,7 +45,7 @@ def test_flat_keywords_land_in_their_sections():
     assert cfg.scheduler.policy == "vllm" and cfg.scheduler.chunk_size == 512
     assert cfg.scheduler.max_num_seqs == 8 and cfg.scheduler.tile_align is False
     assert cfg.cache.block_size == 32 and cfg.cache.num_kv_blocks == 100
-    assert cfg.parallel.pipeline_parallel_size == 4 and cfg.parallel.microbatches_in_flight == 5
+    assert cfg.parallel.pipeline_parallel_size == 4 and cfg.parallel.microbatches_in_flight == 4
 
 
 def test_dotted_keys_and_replace():
@@ -209,10 +209,11 @@ def test_same_key_set_twice_is_rejected():
     "stages, setting, ahead, limit",
     [
         (1, "auto", False, 1),  # one stage: nothing to overlap
-        (2, "auto", False, 3),  # P + 1: the one above P hides the loop back
-        (4, "auto", False, 5),
-        (2, "auto", True, 2),  # the micro-batch ahead is that one: P, plus it
+        (2, "auto", False, 2),  # the stages: TBT first (P + 1 is set as a number)
+        (4, "auto", False, 4),
+        (2, "auto", True, 2),  # the micro-batch ahead comes on top: P, plus it
         (4, "auto", True, 4),
+        (2, 3, False, 3),  # throughput first, as set
         (2, None, False, 2),  # latency first: the stages
         (2, None, True, 2),
         (2, 3, True, 3),  # a number is kept as set
@@ -227,7 +228,7 @@ def test_microbatches_in_flight_auto_rule(stages, setting, ahead, limit):
 
 def test_bare_pipeline_gets_auto_in_flight():
     p = make_config(pipeline_parallel_size=2).parallel
-    assert p.num_microbatches_in_flight == "auto" and p.microbatches_in_flight == 3
+    assert p.num_microbatches_in_flight == "auto" and p.microbatches_in_flight == 2
     assert p.decode_microbatches_in_flight == 2  # the decode-only tail keeps the stages
 
 
