@@ -137,7 +137,8 @@ def capacity(run: Run, args: argparse.Namespace) -> None:
     print(f"  capacity with caching {ratio:.2f}x" if ratio else "  capacity: not comparable")
     run.measure("shared-prompt capacity, caching on", on, "req/s", baseline=off,
                 baseline_label="caching off", better="higher",
-                headline="prefix caching: capacity under the TBT SLO",
+                headline="prefix caching: capacity under the TBT SLO"
+                + (" (a floor: every probe met it)" if found[True].bound == "lower" else ""),
                 detail=f"{slo_text}; {found[True].describe()} / {found[False].describe()}")  # fmt: skip
     run.settings.update(workload=workload.describe(), slo=slo_text)
 
