@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import in_flight_arg, load_args_workload, load_average
+from common import add_scheduling_flags, load_args_workload, load_average
 from results import Run, add_record_flag, cores_note
 
 from sarathi_pp import LLM, SamplingParams
@@ -46,25 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workload", default=None, help=f"workload YAML (default {WORKLOAD})")
     p.add_argument("--num-requests", type=int, default=None, help="default: the workload's")
     p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument(
-        "--microbatches-in-flight",
-        type=in_flight_arg,
-        default="auto",
-        help="auto (the library's default: the stages), stages or a number (3 on two "
-        "stages: throughput first)",
-    )
-    p.add_argument(
-        "--balance",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="scheduler.balance_microbatches (--no-balance: the rule before it)",
-    )
-    p.add_argument(
-        "--prefill-pacing",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="scheduler.prefill_pacing (off: the library's default)",
-    )
+    add_scheduling_flags(p)
     p.add_argument("--quick", action="store_true", help=f"default workload {QUICK_WORKLOAD}")
     add_record_flag(p)
     return p.parse_args(argv)

@@ -250,6 +250,35 @@ def floor_s(flops: int, nbytes: int, gflops: float, gbps: float) -> tuple[float,
     return flops / (gflops * 1e9), nbytes / (gbps * 1e9)
 
 
+def add_scheduling_flags(
+    p: argparse.ArgumentParser, runs: str = "", in_flight_of: str = "", in_flight_note: str = ""
+) -> None:
+    """The flags that run a benchmark at the library's defaults or at the rule before them:
+    ``--microbatches-in-flight``, ``--balance/--no-balance`` and ``--prefill-pacing``.
+    ``runs`` names the runs the last two apply to (``"both runs"``, say); ``in_flight_of``
+    and ``in_flight_note`` start and end the in-flight help."""
+    p.add_argument(
+        "--microbatches-in-flight",
+        type=in_flight_arg,
+        default="auto",
+        help=f"{in_flight_of}auto (the library's default: the stages), stages or a number (3 on "
+        f"two stages: throughput first){in_flight_note}",
+    )
+    where = f" in {runs}" if runs else ""
+    p.add_argument(
+        "--balance",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"scheduler.balance_microbatches{where} (--no-balance: the rule before it)",
+    )
+    p.add_argument(
+        "--prefill-pacing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help=f"scheduler.prefill_pacing{where} (off: the library's default)",
+    )
+
+
 def in_flight_arg(text: str) -> int | str | None:
     """``--microbatches-in-flight``: ``auto``, ``stages`` (null: the number of stages) or
     a number >= 1."""

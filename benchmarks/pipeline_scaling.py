@@ -106,7 +106,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 
 import torch  # noqa: E402
 from common import (  # noqa: E402
-    in_flight_arg,
+    add_scheduling_flags,
     load_args_workload,
     load_average,
     machine_line,
@@ -129,24 +129,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="builtin:tiny-llama")
     p.add_argument("--num-stages", type=int, default=2, help="stages of the pipelined run")
     p.add_argument("--threads-per-stage", type=int, default=1, help="torch threads per stage")
-    p.add_argument(
-        "--microbatches-in-flight",
-        type=in_flight_arg,
-        default="auto",
-        help="the pipelined run's: auto (the library's default: the stages), stages or a "
-        "number (3 on two stages: throughput first); PP=1 runs one (Note [PP=1 at M=1])",
-    )
-    p.add_argument(
-        "--balance",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="scheduler.balance_microbatches in both runs (--no-balance: the rule before it)",
-    )
-    p.add_argument(
-        "--prefill-pacing",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="scheduler.prefill_pacing in both runs (off: the library's default)",
+    add_scheduling_flags(
+        p,
+        runs="both runs",
+        in_flight_of="the pipelined run's: ",
+        in_flight_note="; PP=1 runs one (Note [PP=1 at M=1])",
     )
     p.add_argument("--scheduler", default="sarathi")
     p.add_argument("--executor", default="ray", choices=["ray", "ray_compiled"],
