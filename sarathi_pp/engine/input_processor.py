@@ -86,6 +86,24 @@ class RequestInput:
     def name(self) -> str:
         return self.where or f"request {self.request_id!r}"
 
+    @classmethod
+    def one(
+        cls,
+        request_id: str,
+        prompt: str | None,
+        params: Any,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> RequestInput:
+        """vLLM's ``add_request`` arguments as a request: ``prompt_token_ids`` given, those
+        tokens with ``prompt`` their text; else ``prompt``, which must be a string."""
+        given: Any = prompt
+        if prompt_token_ids is not None:
+            given = {"prompt_token_ids": prompt_token_ids, "prompt": prompt}
+        elif not isinstance(prompt, str):
+            raise TypeError(f"request {request_id!r}: prompt must be a string, got {prompt!r}")
+        return cls(request_id, params, given, arrival_time=arrival_time)
+
 
 @dataclass(frozen=True)
 class ProcessedRequest:

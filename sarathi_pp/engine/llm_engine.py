@@ -302,12 +302,9 @@ class LLMEngine(PipelineRecovery, ReplicaHandoff):
     ) -> None:
         """vLLM's one-request call: ``add_requests`` with one request (``prompt_token_ids``
         given: those tokens, ``prompt`` their text)."""
-        given: Any = prompt
-        if prompt_token_ids is not None:
-            given = {"prompt_token_ids": prompt_token_ids, "prompt": prompt}
-        elif not isinstance(prompt, str):
-            raise TypeError(f"request {request_id!r}: prompt must be a string, got {prompt!r}")
-        self.add_requests([RequestInput(request_id, params, given, arrival_time=arrival_time)])
+        self.add_requests(
+            [RequestInput.one(request_id, prompt, params, prompt_token_ids, arrival_time)]
+        )
 
     def _in_use(self, request_id: str) -> bool:
         return request_id in self._requests or request_id in self._parent_ids

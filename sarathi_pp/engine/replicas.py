@@ -190,12 +190,9 @@ class ReplicatedEngine:
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        given: Any = prompt
-        if prompt_token_ids is not None:
-            given = {"prompt_token_ids": prompt_token_ids, "prompt": prompt}
-        elif not isinstance(prompt, str):
-            raise TypeError(f"request {request_id!r}: prompt must be a string, got {prompt!r}")
-        self.add_requests([RequestInput(request_id, params, given, arrival_time=arrival_time)])
+        self.add_requests(
+            [RequestInput.one(request_id, prompt, params, prompt_token_ids, arrival_time)]
+        )
 
     def _request_tokens(self, req: ProcessedRequest) -> int:
         """A new request's pending tokens (``pending_tokens`` of its ``n`` sequences)."""
