@@ -164,3 +164,45 @@ def test_pacing_waits_for_decodes_to_balance_against():
 def test_the_settings_must_be_bools(field):
     with pytest.raises(ValueError, match=f"{field} must be true or false, got 'x'"):
         SchedulerConfig(**{field: "x"})
+
+
+@pytest.mark.parametrize("num_inflight", [2, 3, 4])
+def test_token_counts_in_flight_within_one_tile_while_prompts_wait(num_inflight):
+    # The defaults (balanced decodes, no pacing, tile alignment): while the prompts' tokens
+    # not yet issued fill the budget, every micro-batch takes the budget less at most the
+    # tile trim, so the micro-batches in flight differ by less than one tile in tokens.
+    budget, tile = 64, 8
+    config = SchedulerConfig(chunk_size=budget, tile_size=tile, max_num_seqs=64)
+    sched = create_scheduler(config, 1024, 4, MAX_LEN, num_inflight)
+    model = FakeModel(sched.block_manager.num_blocks, sched.block_manager.block_size)
+    reqs = workload(num=16, prompt_len=70, max_tokens=12)
+    seqs = {r.seq_id: make_seq(r) for r in reqs}
+    for seq in seqs.values():
+        sched.add(seq)
+
+    def prompt_tokens_left() -> int:
+        live = list(sched.waiting) + sched.running
+        return sum(max(s.num_prompt_tokens - s.num_scheduled_tokens, 0) for s in live)
+
+    inflight: deque[tuple[MicroBatch, bool]] = deque()
+    checked = 0
+    while sched.has_unfinished() or inflight:
+        while len(inflight) < sched.microbatch_limit(0.0):
+            full = prompt_tokens_left() >= budget
+            if (microbatch := sched.schedule(0.0)) is None:
+                break
+            inflight.append((microbatch, full))
+            window = [mb.num_tokens for mb, was_full in inflight if was_full]
+            if full:
+                assert budget - tile < microbatch.num_tokens <= budget, microbatch
+                assert microbatch.num_tokens % tile == 0, microbatch
+            if len(window) == len(inflight) >= 2:
+                assert max(window) - min(window) < tile, window
+                checked += 1
+        microbatch, _ = inflight.popleft()
+        for seq in sched.on_step_done(microbatch, model.execute(microbatch), 0.0):
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                sched.finish(seq, SequenceStatus.FINISHED_LENGTH, 0.0)
+    assert checked > 0
+    for r in reqs:
+        assert seqs[r.seq_id].output_token_ids == reference_output(r.seq_id, r.prompt, r.max_tokens)
