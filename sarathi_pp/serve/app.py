@@ -28,6 +28,7 @@ from sarathi_pp.engine.input_processor import ChatOptions, RequestInput
 from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.scheduler.base import QueueFullError
 from sarathi_pp.serve import protocol as p
+from sarathi_pp.serve import responses as shapes
 from sarathi_pp.serve.engine_loop import EngineFailure, EngineLoop, Sink
 from sarathi_pp.serve.protocol import ApiError, GenerateRequest
 from sarathi_pp.serve.tools import ToolPlan, new_call_id, tool_parser
@@ -175,7 +176,7 @@ class _Routes:
                 except ValueError as e:  # no tokenizer
                     raise p.bad_request(str(e), "prompt") from None
             strs = engine.tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
-            return p.tokenize_response(list(tokens), engine.max_model_len, strs)
+            return shapes.tokenize_response(list(tokens), engine.max_model_len, strs)
 
         return JSONResponse(await self._on_engine(run))
 
@@ -326,17 +327,17 @@ class _Routes:
             logprobs = None if c.logprobs is None else c.logprobs[: len(token_ids)]
             lp = _logprobs(req, token_ids, logprobs, chat, text_offset=len(echo))
             if echo and lp is not None:
-                lp = p.joined_logprobs(answer.echoed_logprobs(prompt_idx, out), lp)
+                lp = shapes.joined_logprobs(answer.echoed_logprobs(prompt_idx, out), lp)
             choice = {"text": echo + text, "finish_reason": c.finish_reason, "logprobs": lp}
             if req.tools is not None and req.tools.makes_calls:
                 choice.update(_tool_answer(req.tools, text, c.finish_reason))
             if req.params.prompt_logprobs is not None:  # vLLM's field
-                choice["prompt_logprobs"] = p.prompt_logprobs_json(out.prompt_logprobs)
+                choice["prompt_logprobs"] = shapes.prompt_logprobs_json(out.prompt_logprobs)
             answers.append(choice)
         use = answer.usage()
         if chat:
-            return p.chat_response(request_id, self.model, answers, use)
-        return p.completion_response(request_id, self.model, answers, use)
+            return shapes.chat_response(request_id, self.model, answers, use)
+        return shapes.completion_response(request_id, self.model, answers, use)
 
     async def _stream(
         self, req: GenerateRequest, request_id: str, answer: _Answer, sink: Sink, chat: bool
@@ -349,7 +350,7 @@ class _Routes:
             if chat:
                 for index in range(answer.num_choices):
                     role = {"role": "assistant"}
-                    yield _sse(p.chat_chunk(request_id, self.model, role, None, index))
+                    yield _sse(shapes.chat_chunk(request_id, self.model, role, None, index))
             num_sent = [0] * answer.num_choices  # characters of each choice's text streamed
             tokens_sent = [0] * answer.num_choices  # and tokens (their log-probabilities)
             stops = req.params.stop
@@ -391,7 +392,7 @@ class _Routes:
                         answer.echoed[index] = True
                         delta = echo + delta
                         if lp is not None:
-                            lp = p.joined_logprobs(answer.echoed_logprobs(prompt_idx, out), lp)
+                            lp = shapes.joined_logprobs(answer.echoed_logprobs(prompt_idx, out), lp)
                     if named:  # the text is the call's arguments, streamed as they come
                         yield _sse(
                             self._arguments_chunk(req, request_id, answer, delta, reason, index, lp)
@@ -420,7 +421,7 @@ class _Routes:
         if answer.get("tool_calls"):
             delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(answer["tool_calls"])]
         lp = _logprobs(req, completion.token_ids, completion.logprobs, True)
-        return p.chat_chunk(request_id, self.model, delta, answer["finish_reason"], index, lp)
+        return shapes.chat_chunk(request_id, self.model, delta, answer["finish_reason"], index, lp)
 
     def _arguments_chunk(
         self,
@@ -442,7 +443,7 @@ class _Routes:
             call["type"] = "function"
             call["function"]["name"] = req.tools.name
         delta: dict[str, Any] = {"tool_calls": [call]} if text or "id" in call else {}
-        return p.chat_chunk(request_id, self.model, delta, finish_reason, index, logprobs)
+        return shapes.chat_chunk(request_id, self.model, delta, finish_reason, index, logprobs)
 
     def _chunk(
         self,
@@ -455,8 +456,8 @@ class _Routes:
     ) -> dict:
         if chat:
             delta = {"content": text} if text else {}
-            return p.chat_chunk(request_id, self.model, delta, finish_reason, index, logprobs)
-        return p.completion_chunk(request_id, self.model, text, finish_reason, index, logprobs)
+            return shapes.chat_chunk(request_id, self.model, delta, finish_reason, index, logprobs)
+        return shapes.completion_chunk(request_id, self.model, text, finish_reason, index, logprobs)
 
 
 def _tool_answer(plan: ToolPlan, text: str, finish_reason: str | None) -> dict[str, Any]:
@@ -488,8 +489,8 @@ def _logprobs(
     if top is None or logprobs is None:
         return None
     if chat:
-        return p.chat_logprobs(token_ids, logprobs, top)
-    return p.completion_logprobs(token_ids, logprobs, text_offset)
+        return shapes.chat_logprobs(token_ids, logprobs, top)
+    return shapes.completion_logprobs(token_ids, logprobs, text_offset)
 
 
 class _Answer:
@@ -516,8 +517,8 @@ class _Answer:
         """The ``logprobs`` of prompt ``prompt_idx``'s echo (``out``: its output), its text
         offsets from 0; empty if the prompt's never came (the request failed first)."""
         if out.prompt_logprobs is None:
-            return p.completion_logprobs([], [])
-        return p.completion_logprobs(
+            return shapes.completion_logprobs([], [])
+        return shapes.completion_logprobs(
             out.prompt_token_ids, out.prompt_logprobs, first_text=self.first_text[prompt_idx]
         )
 
@@ -554,7 +555,7 @@ class _Answer:
         if not self.echo_only:
             completion_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
         cached = [o.num_cached_tokens for o in outs if o.num_cached_tokens is not None]
-        return p.usage(prompt_tokens, completion_tokens, sum(cached) if cached else None)
+        return shapes.usage(prompt_tokens, completion_tokens, sum(cached) if cached else None)
 
 
 def _done(out: RequestOutput) -> bool:
