@@ -25,16 +25,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sarathi_pp.engine import EngineDeadError, LLMEngine, ReplicatedEngine
 from sarathi_pp.engine.input_processor import ChatOptions, RequestInput
-from sarathi_pp.outputs import RequestOutput
 from sarathi_pp.scheduler.base import QueueFullError
 from sarathi_pp.serve import protocol as p
 from sarathi_pp.serve import responses as shapes
+from sarathi_pp.serve.answer import Answer, ClientGone, Reader, checked, safe_end
 from sarathi_pp.serve.engine_loop import EngineFailure, EngineLoop, Sink
 from sarathi_pp.serve.protocol import ApiError, GenerateRequest
 from sarathi_pp.serve.tools import ToolPlan, new_call_id, tool_parser
-
-# Seconds between checks that the client of a non-streamed request is still there.
-DISCONNECT_POLL_S = 0.5
 
 
 def create_app(
@@ -242,7 +239,7 @@ class _Routes:
             )  # fmt: skip
             for i, prompt in enumerate(req.prompts)
         ]
-        answer = _Answer([r.request_id for r in inputs], req.params.n)
+        answer = Answer([r.request_id for r in inputs], req.params.n)
         answer.echo_only = req.echo_only
 
         def add(engine: LLMEngine) -> None:  # on the engine thread: it owns the tokenizer
@@ -269,7 +266,7 @@ class _Routes:
         def add(engine: LLMEngine) -> None:  # on the engine thread: it owns the tokenizer
             engine.add_requests([chat])
 
-        answer = _Answer([request_id], req.params.n)
+        answer = Answer([request_id], req.params.n)
         return await self._generate(request, req, request_id, answer, add, chat=True)
 
     async def _generate(
@@ -277,7 +274,7 @@ class _Routes:
         http_request: Request,
         req: GenerateRequest,
         request_id: str,
-        answer: _Answer,
+        answer: Answer,
         add: Callable[[LLMEngine], None],
         chat: bool,
     ) -> Response:
@@ -301,7 +298,7 @@ class _Routes:
         try:
             body = await self._complete(http_request, req, request_id, answer, sink, chat)
             return JSONResponse(body)
-        except _ClientGone:  # aborted; nobody reads this
+        except ClientGone:  # aborted; nobody reads this
             return Response(status_code=499)
 
     async def _complete(
@@ -309,14 +306,14 @@ class _Routes:
         request: Request,
         req: GenerateRequest,
         request_id: str,
-        answer: _Answer,
+        answer: Answer,
         sink: Sink,
         chat: bool,
     ) -> dict[str, Any]:
-        reader = _Reader(sink, request)
+        reader = Reader(sink, request)
         try:
             while not answer.all_finished:
-                answer.update(_checked(await reader.next()))
+                answer.update(checked(await reader.next()))
         finally:
             for rid in answer.unfinished:  # the client is gone (or we were cancelled)
                 self.engine_loop.abort(rid)
@@ -340,7 +337,7 @@ class _Routes:
         return shapes.completion_response(request_id, self.model, answers, use)
 
     async def _stream(
-        self, req: GenerateRequest, request_id: str, answer: _Answer, sink: Sink, chat: bool
+        self, req: GenerateRequest, request_id: str, answer: Answer, sink: Sink, chat: bool
     ) -> AsyncIterator[str]:
         """Server-sent events: a chunk per new text of a choice (with the log-probabilities
         of its new tokens when asked for), its finish reason, usage if asked for,
@@ -356,7 +353,7 @@ class _Routes:
             stops = req.params.stop
             while not answer.all_finished:
                 try:
-                    out = _checked(await sink.queue.get())
+                    out = checked(await sink.queue.get())
                 except ApiError as e:
                     answer.failed = True
                     yield _sse(e.body())
@@ -372,7 +369,7 @@ class _Routes:
                         continue
                     text = "" if req.echo_only else completion.text
                     token_ids = [] if req.echo_only else completion.token_ids
-                    end = len(text) if completion.finished else _safe_end(text, stops)
+                    end = len(text) if completion.finished else safe_end(text, stops)
                     delta = text[num_sent[index] : end]
                     num_sent[index] = max(num_sent[index], end)
                     if not (delta or (completion.finished and not answer.sent_end[index])):
@@ -427,7 +424,7 @@ class _Routes:
         self,
         req: GenerateRequest,
         request_id: str,
-        answer: _Answer,
+        answer: Answer,
         text: str,
         finish_reason: str | None,
         index: int,
@@ -491,126 +488,6 @@ def _logprobs(
     if chat:
         return shapes.chat_logprobs(token_ids, logprobs, top)
     return shapes.completion_logprobs(token_ids, logprobs, text_offset)
-
-
-class _Answer:
-    """The engine requests of one HTTP request (``ids``: one per prompt, in prompt order) and
-    their latest outputs. Each has ``n`` completions, merged by the engine
-    (``LLMEngine.step`` hands out a parent request's output with all of them): choice
-    ``i * n + j`` is prompt ``i``'s completion ``j``."""
-
-    def __init__(self, ids: list[str], n: int) -> None:
-        self.ids = ids
-        self.n = n
-        self.num_choices = len(ids) * n
-        self._index = {rid: i for i, rid in enumerate(ids)}
-        self._latest: list[Any] = [None] * len(ids)
-        self.failed = False  # the stream ended on an error
-        self.echo: list[str] = []  # with echo: each prompt's text, set when added
-        self.first_text: list[str] = []  # and with logprobs: its first token's text
-        self.echoed = [False] * self.num_choices  # streaming: the prompt has been sent
-        self.sent_end = [False] * self.num_choices  # streaming: the finish reason has been sent
-        self.echo_only = False  # ``max_tokens: 0`` with echo: no completion tokens
-        self.call_ids: dict[int, str] = {}  # streaming a named tool call: each choice's id
-
-    def echoed_logprobs(self, prompt_idx: int, out: RequestOutput) -> dict[str, Any]:
-        """The ``logprobs`` of prompt ``prompt_idx``'s echo (``out``: its output), its text
-        offsets from 0; empty if the prompt's never came (the request failed first)."""
-        if out.prompt_logprobs is None:
-            return shapes.completion_logprobs([], [])
-        return shapes.completion_logprobs(
-            out.prompt_token_ids, out.prompt_logprobs, first_text=self.first_text[prompt_idx]
-        )
-
-    def update(self, out: RequestOutput) -> int:
-        """Record ``out``; its prompt's index."""
-        index = self._index[out.request_id]
-        self._latest[index] = out
-        return index
-
-    def choices(self) -> list[tuple[int, int, Any, Any]]:
-        """Every choice of the final outputs, in choice order: ``(choice index, prompt
-        index, the prompt's output, the choice's completion)``."""
-        return sorted(
-            (i * self.n + c.index, i, out, c)
-            for i, out in enumerate(self._latest)
-            for c in out.outputs
-        )
-
-    @property
-    def unfinished(self) -> list[str]:
-        return [rid for rid, o in zip(self.ids, self._latest, strict=True) if not _done(o)]
-
-    @property
-    def all_finished(self) -> bool:
-        return all(_done(o) for o in self._latest)
-
-    def usage(self) -> dict[str, Any]:
-        """Each prompt's tokens once (its ``n`` choices share it, as OpenAI counts) and the
-        completion tokens of every choice; of the prompt tokens, those read from the prefix
-        cache (where looked up)."""
-        outs = [o for o in self._latest if o is not None]
-        prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
-        completion_tokens = 0
-        if not self.echo_only:
-            completion_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        cached = [o.num_cached_tokens for o in outs if o.num_cached_tokens is not None]
-        return shapes.usage(prompt_tokens, completion_tokens, sum(cached) if cached else None)
-
-
-def _done(out: RequestOutput) -> bool:
-    return out is not None and out.finished
-
-
-class _ClientGone(Exception):
-    """The client of a non-streamed request disconnected: nobody reads the answer."""
-
-
-class _Reader:
-    """A non-streamed request's outputs, one at a time; ``_ClientGone`` once its client has
-    disconnected (checked every ``DISCONNECT_POLL_S``: a long answer nobody reads would hold
-    its blocks)."""
-
-    def __init__(self, sink: Sink, request: Request) -> None:
-        self.sink = sink
-        self.request = request
-        self.next_check = time.monotonic() + DISCONNECT_POLL_S
-
-    async def next(self) -> Any:
-        get = asyncio.ensure_future(self.sink.queue.get())
-        try:
-            while True:
-                timeout = max(0.0, self.next_check - time.monotonic())
-                done, _ = await asyncio.wait({get}, timeout=timeout)
-                if time.monotonic() >= self.next_check:
-                    self.next_check = time.monotonic() + DISCONNECT_POLL_S
-                    if await self.request.is_disconnected():
-                        raise _ClientGone
-                if done:
-                    return get.result()
-        finally:
-            get.cancel()
-
-
-def _checked(item: Any) -> Any:
-    """A ``RequestOutput`` from a sink, or the ``ApiError`` its failure means."""
-    if isinstance(item, EngineFailure):
-        raise ApiError(503, f"the request could not finish: {item}", "service_unavailable")
-    for completion in item.outputs:
-        if completion.finish_reason == "error":
-            message = completion.error or item.error or "the request failed"
-            raise ApiError(500, message, "server_error")
-    return item
-
-
-def _safe_end(text: str, stops: tuple[str, ...]) -> int:
-    """How much of an unfinished ``text`` may be streamed: all but a tail that could be the
-    start of a stop string (the engine cuts a stop string out of the text once it is
-    whole, so a streamed part of it could not be taken back)."""
-    for k in range(min(len(text), max((len(s) for s in stops), default=1) - 1), 0, -1):
-        if any(s.startswith(text[-k:]) for s in stops):
-            return len(text) - k
-    return len(text)
 
 
 def _sse(data: dict[str, Any]) -> str:

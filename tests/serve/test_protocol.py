@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from sarathi_pp.serve.app import _safe_end  # noqa: E402
+from sarathi_pp.serve.answer import safe_end  # noqa: E402
 from sarathi_pp.serve.protocol import (  # noqa: E402
     ApiError,
     Prompt,
@@ -205,10 +205,10 @@ def test_chat_messages() -> None:
 
 
 def test_stream_holds_back_a_possible_stop_string_start() -> None:
-    assert _safe_end("hello", ()) == 5
-    assert _safe_end("hello wo", ("world",)) == 6  # "wo" may start "world"
-    assert _safe_end("hello w", ("xyz",)) == 7
-    assert _safe_end("ab", ("abc", "b!")) == 0  # "ab" may start "abc"
+    assert safe_end("hello", ()) == 5
+    assert safe_end("hello wo", ("world",)) == 6  # "wo" may start "world"
+    assert safe_end("hello w", ("xyz",)) == 7
+    assert safe_end("ab", ("abc", "b!")) == 0  # "ab" may start "abc"
 
 
 class _Reads(dict):

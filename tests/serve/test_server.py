@@ -428,7 +428,7 @@ def test_disconnect_while_waiting_for_a_whole_answer_aborts_it(server, monkeypat
     blocks = engine.scheduler.block_manager
     registry = server.engine_loop.metrics.registry
     # Each step made >= 5 ms, so the 500 tokens take >= 2.5 s: the answer cannot finish
-    # ("length") before the server's disconnect poll (``app.DISCONNECT_POLL_S``) sees the
+    # ("length") before the server's disconnect poll (``answer.DISCONNECT_POLL_S``) sees the
     # client gone. Unslowed, the test model's steps on a quiet machine raced that poll.
     submit = engine.executor.submit
 
