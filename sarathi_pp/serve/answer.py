@@ -66,11 +66,11 @@ class Answer:
 
     @property
     def unfinished(self) -> list[str]:
-        return [rid for rid, o in zip(self.ids, self._latest, strict=True) if not done(o)]
+        return [rid for rid, o in zip(self.ids, self._latest, strict=True) if not _finished(o)]
 
     @property
     def all_finished(self) -> bool:
-        return all(done(o) for o in self._latest)
+        return all(_finished(o) for o in self._latest)
 
     def usage(self) -> dict[str, Any]:
         """Each prompt's tokens once (its ``n`` choices share it, as OpenAI counts) and the
@@ -85,7 +85,7 @@ class Answer:
         return shapes.usage(prompt_tokens, completion_tokens, sum(cached) if cached else None)
 
 
-def done(out: RequestOutput) -> bool:
+def _finished(out: RequestOutput) -> bool:
     return out is not None and out.finished
 
 
