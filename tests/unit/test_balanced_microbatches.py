@@ -174,35 +174,22 @@ def test_token_counts_in_flight_within_one_tile_while_prompts_wait(num_inflight)
     budget, tile = 64, 8
     config = SchedulerConfig(chunk_size=budget, tile_size=tile, max_num_seqs=64)
     sched = create_scheduler(config, 1024, 4, MAX_LEN, num_inflight)
-    model = FakeModel(sched.block_manager.num_blocks, sched.block_manager.block_size)
-    reqs = workload(num=16, prompt_len=70, max_tokens=12)
-    seqs = {r.seq_id: make_seq(r) for r in reqs}
-    for seq in seqs.values():
-        sched.add(seq)
 
     def prompt_tokens_left() -> int:
         live = list(sched.waiting) + sched.running
         return sum(max(s.num_prompt_tokens - s.num_scheduled_tokens, 0) for s in live)
 
-    inflight: deque[tuple[MicroBatch, bool]] = deque()
+    full: dict[int, bool] = {}  # micro-batch id: the prompts' tokens filled its budget
     checked = 0
-    while sched.has_unfinished() or inflight:
-        while len(inflight) < sched.microbatch_limit(0.0):
-            full = prompt_tokens_left() >= budget
-            if (microbatch := sched.schedule(0.0)) is None:
-                break
-            inflight.append((microbatch, full))
-            window = [mb.num_tokens for mb, was_full in inflight if was_full]
-            if full:
-                assert budget - tile < microbatch.num_tokens <= budget, microbatch
-                assert microbatch.num_tokens % tile == 0, microbatch
-            if len(window) == len(inflight) >= 2:
-                assert max(window) - min(window) < tile, window
-                checked += 1
-        microbatch, _ = inflight.popleft()
-        for seq in sched.on_step_done(microbatch, model.execute(microbatch), 0.0):
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                sched.finish(seq, SequenceStatus.FINISHED_LENGTH, 0.0)
+    for inflight, _, _ in run(sched, workload(num=16, prompt_len=70, max_tokens=12), num_inflight):
+        microbatch = inflight[-1]  # just issued: the tokens left before it include its own
+        left_before = prompt_tokens_left() + microbatch.num_prefill_tokens
+        full[microbatch.microbatch_id] = left_before >= budget
+        if full[microbatch.microbatch_id]:
+            assert budget - tile < microbatch.num_tokens <= budget, microbatch
+            assert microbatch.num_tokens % tile == 0, microbatch
+        if len(inflight) >= 2 and all(full[mb.microbatch_id] for mb in inflight):
+            counts = [mb.num_tokens for mb in inflight]
+            assert max(counts) - min(counts) < tile, counts
+            checked += 1
     assert checked > 0
-    for r in reqs:
-        assert seqs[r.seq_id].output_token_ids == reference_output(r.seq_id, r.prompt, r.max_tokens)
