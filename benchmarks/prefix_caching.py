@@ -32,7 +32,7 @@ from common import is_busy, load_average  # noqa: E402
 from results import Run, add_record_flag  # noqa: E402
 
 from sarathi_pp import LLM, SamplingParams  # noqa: E402
-from sarathi_pp.bench.capacity import Slo, search_capacity  # noqa: E402
+from sarathi_pp.bench.capacity import CapacityResult, Slo, search_capacity  # noqa: E402
 from sarathi_pp.bench.runner import serve_run  # noqa: E402
 from sarathi_pp.bench.workload import load_workload  # noqa: E402
 from sarathi_pp.report.request_metrics import percentile  # noqa: E402
@@ -109,6 +109,13 @@ def demo(run: Run, args: argparse.Namespace) -> None:
     run.settings.update(demo_requests=len(chats), demo_repeats=args.repeats)
 
 
+def floor_note(res: CapacityResult) -> str:
+    """What the headline says of a capacity that is only a lower bound."""
+    if res.bound != "lower":
+        return ""
+    return " (a floor: every probe met it)" if res.failed is None else " (a floor)"
+
+
 def capacity(run: Run, args: argparse.Namespace) -> None:
     workload = load_workload(SHARED_WORKLOAD)
     if args.quick:
@@ -137,8 +144,7 @@ def capacity(run: Run, args: argparse.Namespace) -> None:
     print(f"  capacity with caching {ratio:.2f}x" if ratio else "  capacity: not comparable")
     run.measure("shared-prompt capacity, caching on", on, "req/s", baseline=off,
                 baseline_label="caching off", better="higher",
-                headline="prefix caching: capacity under the TBT SLO"
-                + (" (a floor: every probe met it)" if found[True].bound == "lower" else ""),
+                headline="prefix caching: capacity under the TBT SLO" + floor_note(found[True]),
                 detail=f"{slo_text}; {found[True].describe()} / {found[False].describe()}")  # fmt: skip
     run.settings.update(workload=workload.describe(), slo=slo_text)
 
